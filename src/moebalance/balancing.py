@@ -1,0 +1,309 @@
+"""Load-balancing maths: expert counts, bias-update rules, Quantile Balancing and balance losses.
+
+Pure functions with explicit arguments; they never read a config, and the losses are returned
+unweighted (callers multiply by their coefficient). Formulas: LOAD_BALANCING.md sections 2-3.
+
+Bias rules (applied after the optimizer step, outside autodiff, with counts c [E] summed over the
+whole global batch of the step):
+
+    sign          b += rate * sign(mean(c) - c)                    DeepSeek-V3/V4, rate 1e-3
+    proportional  b += rate * (mean(c) - c)        (raw counts)    arXiv 2408.15664
+    fraction      b += rate * (1/E - c / sum(c))   (load shares)   LongCat-Flash
+    center=True   subtract the mean of the update (torchtitan), so the bias stays zero-mean
+
+Quantile Balancing sets the bias directly from the batch's scores (`quantile_bias`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moebalance.routing import check_topk
+
+
+def _valid(mask, shape) -> jax.Array:
+    """The token mask as float32 of `shape` (all ones when mask is None)."""
+    if mask is None:
+        return jnp.ones(shape, jnp.float32)
+    return jnp.broadcast_to(mask, shape).astype(jnp.float32)
+
+
+def expert_counts(indices: jax.Array, num_experts: int, mask: jax.Array | None = None) -> jax.Array:
+    """Exact int32 assignments per expert.
+
+    Args:
+      indices: [..., K] chosen experts.
+      mask: [...] bool, True for tokens that count (padding excluded), or None for all.
+
+    Returns:
+      [E] int32, summing to K * (number of valid tokens).
+    """
+    ones = jnp.ones(indices.shape, jnp.int32)
+    if mask is not None:
+        ones = ones * jnp.broadcast_to(mask, indices.shape[:-1])[..., None].astype(jnp.int32)
+    return jnp.zeros(num_experts, jnp.int32).at[indices.reshape(-1)].add(ones.reshape(-1))
+
+
+def _sign_of_mean_minus(counts: jax.Array) -> jax.Array:
+    """sign(mean(c) - c) computed exactly in int32, with no E * c product that could overflow.
+
+    mean = q + r/E with q, r = divmod(sum(c), E): c < mean iff c < q, or c == q and r > 0;
+    c > mean iff c > q.
+    """
+    num_experts = counts.shape[-1]
+    q, r = jnp.divmod(counts.sum(-1, keepdims=True), num_experts)
+    below = (counts < q) | ((counts == q) & (r > 0))
+    above = counts > q
+    return below.astype(jnp.float32) - above.astype(jnp.float32)
+
+
+def _proportional(counts):
+    c = counts.astype(jnp.float32)
+    return c.mean(-1, keepdims=True) - c
+
+
+def _fraction(counts):
+    c = counts.astype(jnp.float32)
+    total = jnp.maximum(c.sum(-1, keepdims=True), 1.0)
+    return 1.0 / counts.shape[-1] - c / total
+
+
+BIAS_RULES = {"sign": _sign_of_mean_minus, "proportional": _proportional, "fraction": _fraction}
+
+
+def update_bias(
+    bias: jax.Array, counts: jax.Array, *, rule: str, rate, center: bool = False
+) -> jax.Array:
+    """One aux-loss-free bias step.
+
+    Args:
+      bias: [..., E] float32 bias (leading axes, e.g. layers, are independent).
+      counts: [..., E] int32 assignment counts of the step's whole global batch.
+      rule: 'sign', 'proportional' or 'fraction' (see the module docstring).
+      rate: step size gamma/u (>= 0; 0 leaves the bias unchanged). May be a traced scalar.
+      center: subtract the update's mean over experts.
+
+    Returns:
+      the new float32 bias.
+    """
+    if rule not in BIAS_RULES:
+        raise ValueError(f"unknown bias update rule {rule!r}; choose one of {sorted(BIAS_RULES)}")
+    check_rate(rate)
+    delta = jnp.asarray(rate, jnp.float32) * BIAS_RULES[rule](counts)
+    if center:
+        delta = delta - delta.mean(-1, keepdims=True)
+    return (bias.astype(jnp.float32) + delta).astype(jnp.float32)
+
+
+def check_rate(rate) -> None:
+    if isinstance(rate, (int, float)) and rate < 0:
+        raise ValueError(f"the bias update rate must be >= 0, got {rate}")
+
+
+def rate_schedule(rate: float, freeze_after: int | None = None):
+    """step -> rate: constant, then 0 from step `freeze_after` on (DeepSeek-V3 froze the bias for its
+    last 500B tokens). Works on Python ints and traced int steps."""
+    check_rate(rate)
+    if freeze_after is not None and freeze_after < 0:
+        raise ValueError(f"freeze_after must be >= 0, got {freeze_after}")
+
+    def schedule(step):
+        if freeze_after is None:
+            return jnp.float32(rate)
+        return jnp.where(step < freeze_after, jnp.float32(rate), jnp.float32(0.0))
+
+    return schedule
+
+
+def quantile_bias(
+    scores: jax.Array,
+    bias: jax.Array,
+    k: int,
+    *,
+    mask: jax.Array | None = None,
+    center: bool = False,
+) -> jax.Array:
+    """Quantile Balancing: the bias that would give every expert ~N*K/E of this batch's tokens.
+
+    No step size. For token t and expert i, with the other experts' current biases fixed, t picks i
+    iff s[t,i] + b_i exceeds thr[t,i], the K-th largest biased score among the OTHER experts: the
+    token's (K+1)-th biased score when i is among its current top-K, its K-th otherwise. With the
+    margin m[t,i] = s[t,i] - thr[t,i], expert i receives #{t : m[t,i] + b_i > 0} tokens, so
+
+        b_i = -quantile(m[:, i], 1 - K/E)          (over the valid tokens)
+
+    leaves about N*K/E margins above zero. The quantile interpolates linearly between order
+    statistics, so when N*K/E is not an integer the target falls between two neighbouring margins
+    and the expert receives floor or ceil of N*K/E. Tied margins at the quantile are all on one
+    side of it: such an expert may receive more or fewer than the target by the size of the tie.
+    All experts move at once (a Jacobi step), so the result is balanced for the batch only
+    approximately; repeated over steps it converges without a step size to tune.
+
+    Args:
+      scores: [..., E] float32 unbiased scores of the step's batch.
+      bias: [E] float32 current bias (its values decide the current top-K and thresholds).
+      k: experts per token. With k == E every expert is always chosen and the bias is returned.
+      mask: [...] bool valid tokens, or None.
+      center: subtract the mean of the new bias.
+
+    Returns:
+      [E] float32 new bias.
+    """
+    num_experts = scores.shape[-1]
+    check_topk(k, num_experts)
+    if k == num_experts:
+        return bias.astype(jnp.float32)
+    scores = scores.reshape(-1, num_experts).astype(jnp.float32)  # [T, E]
+    biased = scores + bias.astype(jnp.float32)
+    top = jax.lax.top_k(biased, k + 1)[0]  # [T, K+1], descending
+    kth, k1th = top[:, k - 1 : k], top[:, k : k + 1]
+    chosen = biased >= kth  # [T, E]: i in the token's top-K (ties at the K-th count as chosen)
+    margins = scores - jnp.where(chosen, k1th, kth)  # [T, E]
+    if mask is not None:
+        valid = mask.reshape(-1).astype(bool)[:, None]
+        margins = jnp.where(valid, margins, jnp.nan)
+    new_bias = -jnp.nanquantile(margins, 1.0 - k / num_experts, axis=0)  # [E]
+    if center:
+        new_bias = new_bias - new_bias.mean()
+    return new_bias.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Balance losses (unweighted)
+
+
+def _normalized_probs(scores: jax.Array) -> jax.Array:
+    """P's per-token term s[t,i] / sum_j s[t,j] (a no-op for softmax scores)."""
+    scores = scores.astype(jnp.float32)
+    return scores / jnp.maximum(scores.sum(-1, keepdims=True), 1e-20)
+
+
+def _topk_onehot_sum(scores: jax.Array, k: int) -> jax.Array:
+    """[..., E] -> [..., E] float32, 1 where the expert is in the token's top-K of `scores`."""
+    _, idx = jax.lax.top_k(scores, k)
+    return jax.nn.one_hot(idx, scores.shape[-1], dtype=jnp.float32).sum(-2)
+
+
+def _dense_segment_index(segment_ids: jax.Array) -> jax.Array:
+    """[B, S] arbitrary segment ids -> [B, S] ids in [0, B*S): row b's distinct ids, in sorted
+    order, become b*S + 0, 1, 2, ... (so any id values work, including non-contiguous ones)."""
+    batch, seq = segment_ids.shape
+    order = jnp.argsort(segment_ids, axis=1, stable=True)
+    ordered = jnp.take_along_axis(segment_ids, order, axis=1)
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), ordered[:, 1:] != ordered[:, :-1]], 1)
+    run = jnp.cumsum(starts, axis=1) - 1  # [B, S] dense id of each sorted position
+    dense = jnp.put_along_axis(jnp.zeros_like(run), order, run, axis=1, inplace=False)
+    return dense + jnp.arange(batch)[:, None] * seq
+
+
+def sequence_balance_loss(
+    scores: jax.Array,
+    num_experts: int,
+    k: int,
+    *,
+    segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    mode: str = "deepseek",
+    bias: jax.Array | None = None,
+    indices: jax.Array | None = None,
+) -> jax.Array:
+    """Sequence-wise balance loss (DeepSeek-V3 Eqs. 17-20), unweighted.
+
+    mode='deepseek' (the paper): per sequence -- or per packed segment when `segment_ids` is given --
+    of T valid tokens,
+        f_i = E / (K*T) * #{t : i in top-K of s[t, :]}     (UNBIASED scores; no gradient)
+        P_i = 1/T * sum_t s[t,i] / sum_j s[t,j]
+        loss = mean over segments of sum_i f_i * P_i       (1.0 when perfectly balanced)
+    Padding (mask False) is excluded from T, f and P; a segment with no valid token is skipped.
+
+    mode='maxtext' (MaxText's DeepSeek-V4 loss, for comparison): per row of the batch,
+        density_i = mean_t onehot(indices)[t, i]   (the actual, biased selection)
+        density_prob_i = mean_t softmax(s + b)[t, i]
+        loss = E^2 * mean over (rows, experts) of density * density_prob  (= K * paper when b = 0
+        and the scores are softmax); padding and packing are not handled, as in MaxText, so
+        `segment_ids`/`mask` are refused. MaxText averages the per-layer values over layers.
+
+    Args:
+      scores: [B, S, E] unbiased scores.
+      segment_ids: [B, S] int ids of packed documents (any values; equal ids in a row = one segment).
+      mask: [B, S] bool valid tokens.
+      bias: [E] (maxtext mode) the selection bias; indices: [B, S, K] (maxtext mode) the selection.
+    """
+    check_topk(k, num_experts)
+    if scores.ndim != 3 or scores.shape[-1] != num_experts:
+        raise ValueError(f"scores must be [B, S, E={num_experts}], got {scores.shape}")
+    if mode == "maxtext":
+        return _maxtext_sequence_loss(scores, num_experts, segment_ids, mask, bias, indices)
+    if mode != "deepseek":
+        raise ValueError(f"unknown sequence loss mode {mode!r}; choose 'deepseek' or 'maxtext'")
+    batch, seq, _ = scores.shape
+    valid = _valid(mask, (batch, seq))  # [B, S]
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, seq), jnp.int32)
+    seg = _dense_segment_index(segment_ids).reshape(-1)  # [T]
+    n_seg = batch * seq
+
+    v = valid.reshape(-1, 1)  # [T, 1]
+    hits = _topk_onehot_sum(scores, k).reshape(-1, num_experts) * v  # [T, E]
+    probs = _normalized_probs(scores).reshape(-1, num_experts) * v  # [T, E]
+    tokens = jax.ops.segment_sum(v[:, 0], seg, n_seg)  # [n_seg]
+    hit_sum = jax.lax.stop_gradient(jax.ops.segment_sum(hits, seg, n_seg))  # [n_seg, E]
+    prob_sum = jax.ops.segment_sum(probs, seg, n_seg)  # [n_seg, E]
+    t = jnp.maximum(tokens, 1.0)[:, None]
+    f = num_experts / (k * t) * hit_sum
+    p = prob_sum / t
+    per_segment = (f * p).sum(-1)  # [n_seg]
+    present = tokens > 0
+    return jnp.where(present, per_segment, 0.0).sum() / jnp.maximum(present.sum(), 1)
+
+
+def _maxtext_sequence_loss(scores, num_experts, segment_ids, mask, bias, indices):
+    if segment_ids is not None or mask is not None:
+        raise ValueError(
+            "mode='maxtext' reproduces MaxText, which ignores padding and packing; "
+            "drop segment_ids/mask or use mode='deepseek'"
+        )
+    if indices is None:
+        raise ValueError("mode='maxtext' needs `indices` [B, S, K], the routed (biased) selection")
+    biased = scores.astype(jnp.float32) + (0.0 if bias is None else bias.astype(jnp.float32))
+    density = jax.nn.one_hot(indices, num_experts, dtype=jnp.float32).sum(-2).mean(1)  # [B, E]
+    density_prob = jax.nn.softmax(biased, axis=-1).mean(1)  # [B, E]
+    return jnp.mean(density * density_prob) * num_experts**2
+
+
+def global_balance_loss(
+    scores: jax.Array,
+    num_experts: int,
+    k: int,
+    *,
+    mask: jax.Array | None = None,
+    counts: jax.Array | None = None,
+) -> jax.Array:
+    """Global-batch / Switch balance loss, unweighted: E * sum_i f_i * P_i over the whole batch.
+
+    f_i = counts_i / (K * N) is the share of assignments (from `counts` when given, e.g. the routed
+    and globally summed counts; otherwise the top-K of the unbiased scores), P_i the mean normalised
+    score over the N valid tokens. 1.0 when perfectly balanced. Switch uses alpha = 1e-2.
+
+    Args:
+      scores: [..., E] unbiased scores; mask: [...] valid tokens; counts: [E] int assignments.
+    """
+    check_topk(k, num_experts)
+    flat = scores.reshape(-1, num_experts)
+    v = _valid(mask, scores.shape[:-1]).reshape(-1, 1)  # [T, 1]
+    n = jnp.maximum(v.sum(), 1.0)
+    if counts is None:
+        hits = (_topk_onehot_sum(flat, k) * v).sum(0)  # [E]
+    else:
+        hits = counts.astype(jnp.float32)
+    f = jax.lax.stop_gradient(hits) / (k * n)
+    p = (_normalized_probs(flat) * v).sum(0) / n
+    return num_experts * (f * p).sum()
+
+
+def z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Router z-loss (ST-MoE), unweighted: mean over valid tokens of logsumexp_i(z[t, i])^2."""
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [...]
+    v = _valid(mask, lse.shape)
+    return (lse**2 * v).sum() / jnp.maximum(v.sum(), 1.0)

@@ -1,0 +1,65 @@
+"""Per-layer load statistics from integer expert counts (LOAD_BALANCING.md section 4).
+
+Host-side NumPy on purpose: counts leave the jitted step as exact int32 values and only the trainer
+reduces them. Moments are computed from integer sums (int64), so the variance of integer counts is
+exact up to the final division: the seed table's 3932160.00 comes out exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STAT_NAMES = ("variance", "std", "cv", "maxvio", "min", "max", "dead_fraction", "entropy")
+
+
+def load_stats(counts) -> dict[str, np.ndarray]:
+    """Statistics of counts [..., E] over the expert axis, each of shape [...] (floats).
+
+    variance       population variance (ddof=0) of the counts: the seed table's metric
+    std, cv        its square root, and std / mean (coefficient of variation)
+    maxvio         (max - mean) / mean (arXiv 2408.15664 Eq. 4)
+    min, max       least and most loaded expert
+    dead_fraction  share of experts with zero assignments
+    entropy        exp(H) / E of the load distribution p = c / sum(c): 1 = perfectly even,
+                   1/E = everything on one expert (the effective share of experts in use)
+
+    Statistics that divide by the mean are 0 for an all-zero layer.
+    """
+    c = np.asarray(counts).astype(np.int64)
+    num_experts = c.shape[-1]
+    total = c.sum(-1)
+    sum_sq = (c * c).sum(-1)
+    variance = (num_experts * sum_sq - total * total) / num_experts**2
+    mean = total / num_experts
+    std = np.sqrt(variance)
+    safe_mean = np.where(mean > 0, mean, 1.0)
+    p = c / np.where(total > 0, total, 1)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
+    entropy = np.where(total > 0, np.exp(-plogp.sum(-1)) / num_experts, 0.0)
+    return {
+        "variance": variance.astype(np.float64),
+        "std": std,
+        "cv": np.where(mean > 0, std / safe_mean, 0.0),
+        "maxvio": np.where(mean > 0, (c.max(-1) - mean) / safe_mean, 0.0),
+        "min": c.min(-1).astype(np.float64),
+        "max": c.max(-1).astype(np.float64),
+        "dead_fraction": (c == 0).mean(-1),
+        "entropy": entropy,
+    }
+
+
+def sampling_floor(num_tokens: int, k: int, num_experts: int) -> float:
+    """Expected population variance of counts under perfectly balanced random routing.
+
+    Each of N tokens picks K distinct experts uniformly, so an expert's count is Binomial(N, K/E);
+    the mean N*K/E is fixed, so the expected ddof=0 variance over experts is exactly
+    N * (K/E) * (1 - K/E). A balancer cannot be asked to beat it on fresh tokens.
+    """
+    p = k / num_experts
+    return num_tokens * p * (1.0 - p)
+
+
+def maxvio_global(batch_counts) -> np.ndarray:
+    """MaxVio of counts accumulated over many batches: [num_batches, ..., E] -> [...]."""
+    return load_stats(np.asarray(batch_counts).astype(np.int64).sum(0))["maxvio"]

@@ -1,0 +1,240 @@
+"""The DeepSeek-V4 MoE feed-forward layer in Flax NNX.
+
+    y = sum_k w_k * Expert_{e_k}(x) + SharedExperts(x)
+
+route -> dispatch -> experts -> combine, each under a `jax.named_scope` of that name. Routed experts
+are SwiGLU with DeepSeek-V4's clamp, the routing weight applied before the down projection; the
+shared experts (0..n) are the same kind of SwiGLU, unweighted. The router's logits, scores and bias
+are float32 whatever the model dtype; the bias is a `RouterBias` variable (never an `nnx.Param`, so
+optimizers built with `wrt=nnx.Param` and `nnx.grad` never touch it), updated by the trainer from the
+layer's `RoutingRecord`. A hash-routed layer holds its token -> experts table as `HashTable` state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moebalance import routing
+from moebalance.balancing import expert_counts
+from moebalance.model.dispatch import DROP_POLICIES, gather_rows, plan_dispatch
+from moebalance.routing import RoutingRecord
+
+DISPATCH_MODES = ("auto", "blocked", "ragged")
+
+
+class RouterBias(nnx.Variable):
+    """The aux-loss-free selection bias [E], float32, non-trainable."""
+
+
+class HashTable(nnx.Variable):
+    """A hash-routed layer's token -> experts table [V, K], int32, frozen."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """MoE layer settings (MaxText key names where MaxText has the concept)."""
+
+    emb_dim: int  # D
+    num_experts: int  # E, routed experts
+    num_experts_per_tok: int  # K
+    moe_mlp_dim: int  # F, hidden width of one expert
+    shared_experts: int = 1  # always-on experts, unweighted
+    routed_score_func: str = "sqrtsoftplus"  # softmax | sigmoid | sqrtsoftplus
+    routed_scaling_factor: float = 1.0  # route scale on the combine weights
+    norm_topk_prob: bool | None = None  # renormalise chosen weights; None: all but softmax
+    n_routing_groups: int = 0  # DeepSeek-V3 group-limited routing (0 = off)
+    topk_routing_group: int = 0
+    swiglu_limit: float = 0.0  # V4 clamp of the SwiGLU inputs (0 = off)
+    capacity_factor: float = -1.0  # <= 0: dropless; else C = ceil(cf * T*K/E) per expert
+    drop_policy: str = "probs"  # over capacity: drop lowest weight ('probs') or latest ('position')
+    dispatch: str = "auto"  # blocked (CPU) | ragged (ragged_dot, GPU/TPU) | auto
+    block_size: int = 256  # rows per block of the blocked dispatch
+    dtype: str = "float32"  # activation / matmul dtype
+    weight_dtype: str = "float32"  # parameter storage dtype
+
+    def __post_init__(self):
+        for name in ("emb_dim", "num_experts", "moe_mlp_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shared_experts < 0:
+            raise ValueError(f"shared_experts must be >= 0, got {self.shared_experts}")
+        routing.check_topk(self.num_experts_per_tok, self.num_experts)
+        routing.check_score_fn(self.routed_score_func)
+        routing.check_groups(
+            self.num_experts, self.num_experts_per_tok, self.n_routing_groups,
+            self.topk_routing_group,
+        )
+        if self.swiglu_limit < 0:
+            raise ValueError(f"swiglu_limit must be >= 0 (0 = off), got {self.swiglu_limit}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ValueError(f"unknown drop_policy {self.drop_policy!r}; choose {DROP_POLICIES}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"unknown dispatch {self.dispatch!r}; choose {DISPATCH_MODES}")
+        for name in ("dtype", "weight_dtype"):
+            jnp.dtype(getattr(self, name))  # raises TypeError naming an unknown dtype
+
+    def capacity(self, num_tokens: int) -> int:
+        """Per-expert capacity C for T tokens, or 0 when dropless."""
+        if self.capacity_factor <= 0:
+            return 0
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.num_experts_per_tok
+                                / self.num_experts))
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """DeepSeek-V4 SwiGLU in float32: gate clipped above at `limit`, up to [-limit, limit]."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def _init(rngs, shape, dtype, fan_in):
+    return jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
+
+
+class SwiGLU(nnx.Module):
+    """A dense clamped SwiGLU [..., D] -> [..., D] (the shared experts, fused into width n*F)."""
+
+    def __init__(self, emb_dim: int, hidden: int, *, limit: float, dtype, weight_dtype, rngs):
+        self.limit, self.dtype = limit, dtype
+        self.w1 = nnx.Param(_init(rngs, (emb_dim, hidden), weight_dtype, emb_dim))  # gate
+        self.w3 = nnx.Param(_init(rngs, (emb_dim, hidden), weight_dtype, emb_dim))  # up
+        self.w2 = nnx.Param(_init(rngs, (hidden, emb_dim), weight_dtype, hidden))  # down
+
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        h = swiglu(x @ self.w1[...].astype(self.dtype), x @ self.w3[...].astype(self.dtype),
+                   self.limit)
+        return h.astype(self.dtype) @ self.w2[...].astype(self.dtype)
+
+
+class MoE(nnx.Module):
+    """Routed + shared experts. `hash_table` [V, K] makes the layer hash-routed (tid2eid).
+
+    Call: (x [..., D], *, token_ids [...] for hash layers, mask [...] valid tokens)
+          -> (y [..., D] in `dtype`, RoutingRecord).
+    """
+
+    def __init__(self, config: MoEConfig, *, hash_table=None, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.dtype = jnp.dtype(c.dtype)
+        wdtype = jnp.dtype(c.weight_dtype)
+        e, d, f = c.num_experts, c.emb_dim, c.moe_mlp_dim
+        self.router = nnx.Param(_init(rngs, (d, e), jnp.float32, d))  # fp32 whatever the model
+        self.bias = RouterBias(jnp.zeros((e,), jnp.float32))
+        self.w1 = nnx.Param(_init(rngs, (e, d, f), wdtype, d))  # gate
+        self.w3 = nnx.Param(_init(rngs, (e, d, f), wdtype, d))  # up
+        self.w2 = nnx.Param(_init(rngs, (e, f, d), wdtype, f))  # down
+        self.shared = (
+            SwiGLU(d, c.shared_experts * f, limit=c.swiglu_limit, dtype=self.dtype,
+                   weight_dtype=wdtype, rngs=rngs)
+            if c.shared_experts else None
+        )
+        if hash_table is not None:
+            if hash_table.shape[1] != c.num_experts_per_tok:
+                raise ValueError(
+                    f"hash table gives {hash_table.shape[1]} experts per token, the layer routes "
+                    f"num_experts_per_tok={c.num_experts_per_tok}"
+                )
+            routing.check_hash_table(hash_table, e, distinct=False)
+            self.hash_table = HashTable(jnp.asarray(hash_table, jnp.int32))
+        else:
+            self.hash_table = None
+
+    @property
+    def hash_routed(self) -> bool:
+        return self.hash_table is not None
+
+    def route(self, x, token_ids, mask):
+        """[T, D] -> RoutingRecord of [T, ...] arrays."""
+        c = self.config
+        logits = x.astype(jnp.float32) @ self.router[...]  # [T, E]
+        normalize = c.norm_topk_prob
+        if self.hash_routed:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs token_ids")
+            scores = routing.compute_scores(logits, c.routed_score_func)
+            indices, weights = routing.hash_route(
+                token_ids.reshape(-1), self.hash_table[...], scores,
+                route_scale=c.routed_scaling_factor,
+                normalize=True if normalize is None else normalize,
+            )
+        else:
+            indices, weights, scores = routing.route(
+                logits, self.bias[...], k=c.num_experts_per_tok, score_fn=c.routed_score_func,
+                route_scale=c.routed_scaling_factor, n_groups=c.n_routing_groups,
+                topk_groups=c.topk_routing_group, normalize=normalize,
+            )
+        counts = expert_counts(indices, c.num_experts, mask)
+        return RoutingRecord(indices, weights, scores, logits, counts, jnp.zeros((), jnp.int32))
+
+    def _layout(self, num_tokens):
+        c = self.config
+        if c.capacity(num_tokens):
+            return "capacity"
+        if c.dispatch == "auto":
+            return "blocked" if jax.default_backend() == "cpu" else "ragged"
+        return c.dispatch
+
+    def experts(self, rows, row_weights, plan, layout):
+        """Every buffer row through its expert: [P, D], [P, 1] -> [P, D].
+
+        out = w2 (weight * swiglu(w1 x, w3 x)): the routing weight is applied before w2 (V4).
+        """
+        c = self.config
+        w1, w3, w2 = (w[...].astype(self.dtype) for w in (self.w1, self.w3, self.w2))
+        if layout == "ragged":
+            sizes = plan.counts
+            h = swiglu(jax.lax.ragged_dot(rows, w1, sizes), jax.lax.ragged_dot(rows, w3, sizes),
+                       c.swiglu_limit)
+            return jax.lax.ragged_dot((h * row_weights).astype(self.dtype), w2, sizes)
+        # One expert per block; its weights picked by a one-hot matmul, whose transpose (the weight
+        # gradient) is again a matmul rather than a scatter-add.
+        blocks = rows.reshape(-1, plan.block, c.emb_dim)  # [nb, b, D]
+        pick = jax.nn.one_hot(plan.block_expert, c.num_experts, dtype=self.dtype)  # [nb, E]
+        w1, w3, w2 = (jnp.einsum("ne,e...->n...", pick, w) for w in (w1, w3, w2))  # [nb, ...]
+        h = swiglu(jnp.einsum("nbd,ndf->nbf", blocks, w1), jnp.einsum("nbd,ndf->nbf", blocks, w3),
+                   c.swiglu_limit)  # [nb, b, F]
+        h = (h * row_weights.reshape(*blocks.shape[:2], 1)).astype(self.dtype)
+        return jnp.einsum("nbf,nfd->nbd", h, w2).reshape(rows.shape)  # [P, D]
+
+    def __call__(self, x, *, token_ids=None, mask=None):
+        c = self.config
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, c.emb_dim).astype(self.dtype)  # [T, D]
+        num_tokens = xt.shape[0]
+        valid = jnp.ones(num_tokens, bool) if mask is None else mask.reshape(-1).astype(bool)
+        with jax.named_scope("route"):
+            rec = self.route(xt, token_ids, valid)
+        layout = self._layout(num_tokens)
+        with jax.named_scope("dispatch"):
+            plan = plan_dispatch(
+                rec.indices, rec.weights, valid, rec.counts, layout=layout,
+                block=c.block_size, capacity=c.capacity(num_tokens), drop_policy=c.drop_policy,
+            )
+            k = c.num_experts_per_tok
+            rows = gather_rows(jnp.repeat(xt, k, axis=0), plan.row_src, plan.dest)  # [P, D]
+            row_w = gather_rows(rec.weights.reshape(-1, 1), plan.row_src, plan.dest)  # [P, 1]
+        with jax.named_scope("experts"):
+            out = self.experts(rows, row_w, plan, layout)
+        with jax.named_scope("combine"):
+            y = gather_rows(out, plan.dest, plan.row_src).reshape(num_tokens, k, -1)  # [T, K, D]
+            y = y.sum(1, dtype=jnp.float32)
+            if self.shared is not None:
+                y = y + self.shared(xt).astype(jnp.float32)
+        rec = rec._replace(
+            indices=rec.indices.reshape(*lead, k),
+            weights=rec.weights.reshape(*lead, k),
+            scores=rec.scores.reshape(*lead, c.num_experts),
+            logits=rec.logits.reshape(*lead, c.num_experts),
+            dropped=plan.dropped,
+        )
+        return y.astype(self.dtype).reshape(*lead, c.emb_dim), rec
