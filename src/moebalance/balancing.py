@@ -71,6 +71,11 @@ def _fraction(counts):
 
 BIAS_RULES = {"sign": _sign_of_mean_minus, "proportional": _proportional, "fraction": _fraction}
 
+# Documented default rates, tested not to oscillate (tests/test_simulation.py). 'proportional' uses
+# raw counts, so its rate scales inversely with the per-expert load: 1e-4 is for ~512 assignments
+# per expert per step (use 0.05 / (N*K/E) in general). 'sign' is DeepSeek-V3/V4's gamma.
+DEFAULT_RATES = {"sign": 1e-3, "proportional": 1e-4, "fraction": 1.0}
+
 
 def update_bias(
     bias: jax.Array, counts: jax.Array, *, rule: str, rate, center: bool = False

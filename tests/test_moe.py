@@ -1,0 +1,203 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import reference as ref
+from moebalance import routing
+from moebalance.model.moe import MoE, MoEConfig, RouterBias
+
+
+def make(rngs=0, **kw):
+    base = dict(emb_dim=16, num_experts=8, num_experts_per_tok=3, moe_mlp_dim=12,
+                shared_experts=0, routed_score_func="sigmoid", swiglu_limit=0.7,
+                routed_scaling_factor=1.5, block_size=4)
+    base.update(kw)
+    model = MoE(MoEConfig(**base), rngs=nnx.Rngs(rngs))
+    # a non-zero bias so that selection differs from the unbiased top-k
+    model.bias[...] = jnp.linspace(-0.05, 0.05, base["num_experts"]).astype(jnp.float32)
+    return model
+
+
+def params(model):
+    return [np.asarray(model.w1[...], np.float64), np.asarray(model.w3[...], np.float64),
+            np.asarray(model.w2[...], np.float64)]
+
+
+def inputs(seed=1, shape=(2, 9)):
+    x = jax.random.normal(jax.random.key(seed), (*shape, 16)) * 2.0  # large enough to clamp
+    mask = jax.random.uniform(jax.random.key(seed + 1), shape) < 0.8
+    return x, mask
+
+
+@pytest.mark.parametrize("dispatch", ["blocked", "ragged"])
+def test_dropless_layer_equals_per_token_loop(dispatch):
+    model = make(dispatch=dispatch)
+    x, mask = inputs()
+    y, rec = model(x, mask=mask)
+    xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
+    idx = np.asarray(rec.indices).reshape(-1, 3)
+    w = np.asarray(rec.weights).reshape(-1, 3)
+    want = ref.moe(xt, idx, w, *params(model), 0.7, kept=np.repeat(valid[:, None], 3, 1))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=2e-5, atol=2e-5)
+    # the routing in the record is the router's, recomputed independently
+    logits = xt @ np.asarray(model.router[...])
+    ridx, rw, _, amb = ref.route(logits, np.asarray(model.bias[...]), 3, "sigmoid", 1.5)
+    assert not amb.any()
+    np.testing.assert_array_equal(idx, ridx)
+    np.testing.assert_allclose(w, rw, rtol=1e-5)
+    np.testing.assert_array_equal(rec.counts, ref.counts(idx, 8, valid))
+    assert int(rec.dropped) == 0
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
+def test_capacity_layer_equals_per_token_loop(policy, capacity_factor):
+    model = make(capacity_factor=capacity_factor, drop_policy=policy)
+    x, mask = inputs(seed=3)
+    y, rec = model(x, mask=mask)
+    xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
+    idx = np.asarray(rec.indices).reshape(-1, 3)
+    w = np.asarray(rec.weights).reshape(-1, 3)
+    capacity = model.config.capacity(18)
+    assert capacity == int(np.ceil(capacity_factor * 18 * 3 / 8))
+    kept = ref.kept_assignments(idx, w, valid, 8, capacity, policy)
+    want = ref.moe(xt, idx, w, *params(model), 0.7, kept=kept)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=2e-5, atol=2e-5)
+    assert int(rec.dropped) == int(valid.sum()) * 3 - int(kept.sum())
+    if capacity_factor == 0.5:
+        assert int(rec.dropped) > 0
+    np.testing.assert_array_equal(rec.counts, ref.counts(idx, 8, valid))  # before the drop
+
+
+def test_shared_experts_are_added_unweighted():
+    model = make(shared_experts=2)
+    x, _ = inputs()
+    y, rec = model(x)
+    xt = np.asarray(x, np.float64).reshape(-1, 16)
+    sh = model.shared
+    assert sh.w1.shape == (16, 24)  # two experts fused into one of width 2*F
+    shared = np.stack([ref.swiglu_expert(t, np.asarray(sh.w1[...]), np.asarray(sh.w3[...]),
+                                         np.asarray(sh.w2[...]), 0.7) for t in xt])
+    routed = ref.moe(xt, np.asarray(rec.indices).reshape(-1, 3),
+                     np.asarray(rec.weights).reshape(-1, 3), *params(model), 0.7)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), routed + shared, rtol=2e-5,
+                               atol=2e-5)
+
+
+def _dense_reference(model, x):
+    """Every expert on every token, combined with a dense [T, E] weight matrix: plain autodiff,
+    no dispatch, no custom gradient."""
+    c = model.config
+    xt = x.reshape(-1, c.emb_dim)
+    idx, w, _ = routing.route(xt @ model.router[...], model.bias[...], k=c.num_experts_per_tok,
+                              score_fn=c.routed_score_func, route_scale=c.routed_scaling_factor)
+    combine = jnp.zeros((xt.shape[0], c.num_experts)).at[
+        jnp.arange(xt.shape[0])[:, None], idx].add(w)  # [T, E]
+    gate = jnp.einsum("td,edf->tef", xt, model.w1[...])
+    up = jnp.einsum("td,edf->tef", xt, model.w3[...])
+    lim = c.swiglu_limit
+    h = jax.nn.silu(jnp.minimum(gate, lim)) * jnp.clip(up, -lim, lim) * combine[..., None]
+    return jnp.einsum("tef,efd->td", h, model.w2[...]).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dispatch", ["blocked", "ragged"])
+def test_gradients_equal_dense_autodiff(dispatch):
+    model = make(dispatch=dispatch)
+    x, _ = inputs(seed=5)
+    probe = jax.random.normal(jax.random.key(9), x.shape)
+
+    def loss_layer(m, x):
+        return (m(x)[0] * probe).sum()
+
+    def loss_dense(m, x):
+        return (_dense_reference(m, x) * probe).sum()
+
+    g1, gx1 = nnx.grad(loss_layer, argnums=(0, 1))(model, x)
+    g2, gx2 = nnx.grad(loss_dense, argnums=(0, 1))(model, x)
+    np.testing.assert_allclose(gx1, gx2, rtol=1e-4, atol=1e-5)
+    for name in ("router", "w1", "w3", "w2"):
+        np.testing.assert_allclose(g1[name][...], g2[name][...], rtol=1e-4, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_bias_is_never_a_parameter_gradient_or_optimizer_target():
+    model = make()
+    x, _ = inputs()
+    grads = nnx.grad(lambda m: m(x)[0].sum())(model)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads))
+    assert not any("bias" in jax.tree_util.keystr(p) for p, _ in leaves)
+    assert all(isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    opt = nnx.Optimizer(model, optax.adam(1.0), wrt=nnx.Param)
+    bias_before = np.asarray(model.bias[...]).copy()
+    router_before = np.asarray(model.router[...]).copy()
+    opt.update(model, grads)
+    np.testing.assert_array_equal(model.bias[...], bias_before)
+    assert not np.array_equal(model.router[...], router_before)
+    assert isinstance(model.bias, RouterBias) and model.bias.dtype == jnp.float32
+
+
+def test_bf16_model_keeps_float32_router_maths_and_bias():
+    model = make(dtype="bfloat16", weight_dtype="bfloat16")
+    x, _ = inputs()
+    y, rec = model(x.astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and model.w1.dtype == jnp.bfloat16
+    assert model.bias.dtype == jnp.float32 and model.router.dtype == jnp.float32
+    assert rec.scores.dtype == jnp.float32 and rec.weights.dtype == jnp.float32
+    assert rec.logits.dtype == jnp.float32 and rec.counts.dtype == jnp.int32
+    y32, _ = make()(x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), y32, rtol=0.1, atol=0.1)
+
+
+def test_any_leading_shape_and_jit():
+    model = make()
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4, 16))
+    y, rec = nnx.jit(lambda m, x: m(x))(model, x)
+    assert y.shape == x.shape and rec.indices.shape == (2, 3, 4, 3)
+    assert rec.scores.shape == (2, 3, 4, 8) and int(rec.counts.sum()) == 24 * 3
+    y2, _ = model(x.reshape(-1, 16))
+    np.testing.assert_allclose(y.reshape(-1, 16), y2, rtol=1e-5, atol=1e-6)
+
+
+def test_hash_routed_layer():
+    table = routing.build_hash_table(32, 8, 3, "random", seed=1)
+    model = MoE(MoEConfig(emb_dim=16, num_experts=8, num_experts_per_tok=3, moe_mlp_dim=12),
+                hash_table=table, rngs=nnx.Rngs(0))
+    assert model.hash_routed and model.hash_table.dtype == jnp.int32
+    ids = jax.random.randint(jax.random.key(0), (2, 5), 0, 32)
+    x, _ = inputs(shape=(2, 5))
+    y, rec = model(x, token_ids=ids)
+    np.testing.assert_array_equal(rec.indices, table[np.asarray(ids)])
+    np.testing.assert_array_equal(rec.counts, ref.counts(table[np.asarray(ids)], 8))
+    model.bias[...] = jnp.full(8, 5.0)  # the bias plays no part in hash routing
+    _, rec2 = model(x, token_ids=ids)
+    np.testing.assert_array_equal(rec2.indices, rec.indices)
+    with pytest.raises(ValueError, match="needs token_ids"):
+        model(x)
+    with pytest.raises(ValueError, match="token ids must lie"):
+        model(x, token_ids=ids + 32)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_experts_per_tok=9), "1 <= k <= num_experts"),
+        (dict(routed_score_func="tanh"), "unknown score_fn"),
+        (dict(n_routing_groups=3, topk_routing_group=1), "divisor"),
+        (dict(drop_policy="random"), "unknown drop_policy"),
+        (dict(dispatch="einsum"), "unknown dispatch"),
+        (dict(swiglu_limit=-1.0), "swiglu_limit"),
+        (dict(moe_mlp_dim=0), "moe_mlp_dim must be >= 1"),
+    ],
+)
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(**kw)
+
+
+def test_hash_table_must_match_k():
+    with pytest.raises(ValueError, match="hash table gives 2 experts per token"):
+        MoE(MoEConfig(emb_dim=4, num_experts=4, num_experts_per_tok=3, moe_mlp_dim=4),
+            hash_table=np.zeros((5, 2), np.int32), rngs=nnx.Rngs(0))
