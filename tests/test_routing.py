@@ -18,7 +18,7 @@ def routing_case(draw):
     topk_groups = draw(st.integers(1, groups)) if groups else 0
     max_k = topk_groups * (num_experts // groups) if groups else num_experts
     k = draw(st.integers(1, max_k))
-    tokens = draw(st.integers(1, 6))
+    tokens = 6  # one shape per (E, k): fewer recompilations
     ties = draw(st.booleans())
     seed = draw(st.integers(0, 2**31 - 1))
     rng = np.random.default_rng(seed)

@@ -61,19 +61,25 @@ class DispatchPlan(NamedTuple):
     block: int  # rows per block (capacity: C)
 
 
-def _sort_assignments(indices, weights, valid, counts, drop_policy):
-    """Assignments sorted by expert, padding last; within an expert by priority. Returns the
-    order, the sorted experts (E for padding) and each assignment's rank within its expert."""
-    num_experts = counts.shape[0]
-    key = jnp.where(valid[:, None], indices, num_experts).reshape(-1)  # [A]
-    if drop_policy == "probs":
-        order = jnp.lexsort((-weights.reshape(-1), key))
-    else:
-        order = jnp.argsort(key, stable=True)
-    sorted_key = key[order]
-    starts = jnp.cumsum(counts) - counts
-    rank = jnp.arange(key.size, dtype=jnp.int32) - jnp.append(starts, counts.sum())[sorted_key]
-    return order, sorted_key, rank
+# Above this many [A, E+1] one-hot cells, ranks come from a sort instead of a prefix count.
+COUNTING_RANK_MAX_CELLS = 2**24
+
+
+def _rank_within_expert(key, weights, num_experts, by_weight, starts):
+    """Each assignment's rank among the assignments of its expert (key E = padding, its own group).
+
+    by_weight: highest weight first (ties: earlier first), else earlier first. Earlier-first ranks
+    are a prefix count over a one-hot [A, E+1] (XLA's CPU sort takes ~5 ms for 16k keys, the count
+    ~0.6 ms); by weight, or past COUNTING_RANK_MAX_CELLS, a stable sort.
+    """
+    num_assign = key.shape[0]
+    if not by_weight and num_assign * (num_experts + 1) <= COUNTING_RANK_MAX_CELLS:
+        onehot = (key[:, None] == jnp.arange(num_experts + 1)).astype(jnp.int32)  # [A, E+1]
+        before = jax.lax.associative_scan(jnp.add, onehot, axis=0) - onehot
+        return jnp.take_along_axis(before, key[:, None], axis=1)[:, 0]
+    order = jnp.lexsort((-weights, key)) if by_weight else jnp.argsort(key, stable=True)
+    rank_sorted = jnp.arange(num_assign, dtype=jnp.int32) - starts[key[order]]
+    return jnp.zeros(num_assign, jnp.int32).at[order].set(rank_sorted)
 
 
 def plan_dispatch(
@@ -93,31 +99,33 @@ def plan_dispatch(
     record's counts, computed once by the router).
     """
     num_assign, num_experts = indices.size, counts.shape[0]
-    order, sorted_key, rank = _sort_assignments(indices, weights, valid, counts, drop_policy)
-    in_use = sorted_key < num_experts
-    e = jnp.minimum(sorted_key, num_experts - 1)
+    key = jnp.where(valid[:, None], indices, num_experts).reshape(-1)  # [A], E for padding
+    starts = jnp.append(jnp.cumsum(counts) - counts, counts.sum())  # [E+1]
+    by_weight = layout == "capacity" and drop_policy == "probs"
+    rank = _rank_within_expert(key, weights.reshape(-1), num_experts, by_weight, starts)
+    in_use = key < num_experts
+    e = jnp.minimum(key, num_experts - 1)
     if layout == "blocked":
         block = max(1, min(block, 1 << max(0, (num_assign // num_experts - 1).bit_length())))
         num_rows = -(-(num_assign + num_experts * (block - 1)) // block) * block
         padded = -(-counts // block) * block
         padded_end = jnp.cumsum(padded)
-        dest_sorted = jnp.where(in_use, padded_end[e] - padded[e] + rank, num_rows)
+        dest = jnp.where(in_use, padded_end[e] - padded[e] + rank, num_rows)
         block_starts = jnp.arange(num_rows // block) * block
         block_expert = jnp.searchsorted(padded_end, block_starts, side="right")
         block_expert = jnp.minimum(block_expert, num_experts - 1).astype(jnp.int32)
     elif layout == "capacity":
         block, num_rows = capacity, capacity * num_experts
         in_use = in_use & (rank < capacity)
-        dest_sorted = jnp.where(in_use, e * capacity + rank, num_rows)
+        dest = jnp.where(in_use, e * capacity + rank, num_rows)
         block_expert = jnp.arange(num_experts, dtype=jnp.int32)
     elif layout == "ragged":
         num_rows = num_assign
-        dest_sorted = jnp.where(in_use, jnp.arange(num_assign), num_rows)
+        dest = jnp.where(in_use, starts[e] + rank, num_rows)
         block_expert = jnp.zeros((0,), jnp.int32)
     else:
         raise ValueError(f"unknown dispatch layout {layout!r}")
-    dest_sorted = dest_sorted.astype(jnp.int32)
-    dest = jnp.zeros(num_assign, jnp.int32).at[order].set(dest_sorted)
+    dest = dest.astype(jnp.int32)
     row_src = jnp.full(num_rows, num_assign, jnp.int32)
     row_src = row_src.at[dest].set(jnp.arange(num_assign, dtype=jnp.int32), mode="drop")
     dropped = counts.sum() - in_use.sum(dtype=jnp.int32)

@@ -1,0 +1,92 @@
+"""MoE layer forward+backward throughput against a dense SwiGLU of the same useful FLOPs.
+
+For each shape, in one run: the dropless MoE layer (routed experts, no shared expert) on T tokens,
+and a dense SwiGLU of width K*F on the same T tokens (the FLOPs the routed experts usefully do),
+both jitted, forward + backward w.r.t. input and weights. Prints one JSON object per line and a
+summary line; `ratio` = MoE tokens/s / dense tokens/s (1.0 = routing and dispatch are free).
+
+    python benchmarks/moe_layer.py [--tokens 4096] [--repeats 5] [--block-sizes 128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moebalance.model.moe import MoE, MoEConfig, SwiGLU
+
+SHAPES = [  # (E, K, D=F)
+    (16, 4, 64),
+    (16, 4, 128),
+    (16, 4, 256),
+    (64, 6, 128),
+]
+
+
+def _time(fn, *args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - start) / repeats
+
+
+def _fwd_bwd(module):
+    graphdef, state = nnx.split(module)
+
+    def loss(state, x):
+        out = nnx.merge(graphdef, state)(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return step, state
+
+
+def bench_shape(experts, k, dim, tokens, repeats, block_size, dispatch):
+    x = jax.random.normal(jax.random.key(0), (tokens, dim))
+    cfg = MoEConfig(emb_dim=dim, num_experts=experts, num_experts_per_tok=k, moe_mlp_dim=dim,
+                    shared_experts=0, block_size=block_size, dispatch=dispatch)
+    moe_step, moe_state = _fwd_bwd(MoE(cfg, rngs=nnx.Rngs(0)))
+    dense = SwiGLU(dim, k * dim, limit=0.0, dtype=jnp.float32, weight_dtype=jnp.float32,
+                   rngs=nnx.Rngs(1))
+    dense_step, dense_state = _fwd_bwd(dense)
+    t_moe = _time(moe_step, moe_state, x, repeats=repeats)
+    t_dense = _time(dense_step, dense_state, x, repeats=repeats)
+    useful_flops = 3 * 2 * tokens * k * 3 * dim * dim  # fwd+bwd, three matmuls per expert
+    return {
+        "experts": experts, "k": k, "d_model": dim, "d_ff": dim, "tokens": tokens,
+        "dispatch": dispatch, "block_size": block_size,
+        "moe_tokens_per_s": round(tokens / t_moe, 1),
+        "dense_tokens_per_s": round(tokens / t_dense, 1),
+        "moe_gflops": round(useful_flops / t_moe / 1e9, 2),
+        "dense_gflops": round(useful_flops / t_dense / 1e9, 2),
+        "ratio": round(t_dense / t_moe, 3),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-sizes", default="256", help="comma-separated block sizes")
+    parser.add_argument("--dispatch", default="auto", choices=["auto", "blocked", "ragged"])
+    args = parser.parse_args()
+    rows = []
+    for experts, k, dim in SHAPES:
+        for block in (int(b) for b in args.block_sizes.split(",")):
+            row = bench_shape(experts, k, dim, args.tokens, args.repeats, block, args.dispatch)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"summary": "moe_vs_dense_ratio", "backend": jax.default_backend(),
+                      "min_ratio": min(r["ratio"] for r in rows),
+                      "max_ratio": max(r["ratio"] for r in rows)}))
+
+
+if __name__ == "__main__":
+    main()

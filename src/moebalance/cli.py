@@ -1,0 +1,77 @@
+"""The `moebalance` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moebalance import __version__
+
+
+def _demo(args) -> int:
+    """Run the model-free balancer simulation for every rule and print how MaxVio falls."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moebalance import balancing, simulate
+
+    sim = simulate.Simulation(num_experts=args.experts, k=args.k, tokens=args.tokens,
+                              skew=args.skew, seed=args.seed)
+    console = Console()
+    console.print(
+        f"[bold]Balancer simulation[/]: {sim.tokens} fresh tokens per step, top-{sim.k} of "
+        f"{sim.num_experts} experts, {sim.score_fn} scores, skewed drifting logits "
+        f"(skew {sim.skew}), {args.steps} steps. MaxVio = (max load - mean) / mean."
+    )
+    marks = sorted({0, 10, 50, args.steps // 2, args.steps - 1})
+    table = Table(title="MaxVio by step (lower is better)")
+    table.add_column("rule")
+    table.add_column("rate", justify="right")
+    for step in marks:
+        table.add_column(f"@{step}", justify="right")
+    table.add_column("osc", justify="right")
+    runs = [("none", "sign", 0.0)] + [(r, r, None) for r in simulate.RULES]
+    with console.status("simulating..."):
+        for label, rule, rate in runs:
+            out = simulate.run(sim, rule, rate, steps=args.steps)
+            shown_rate = rate if rate is not None else balancing.DEFAULT_RATES.get(rule, "-")
+            maxvio = out["maxvio"]
+            table.add_row(label, str(shown_rate), *(f"{maxvio[s]:.3f}" for s in marks),
+                          f"{simulate.overshoot(out['counts'][-100:]):+.2f}")
+    console.print(table)
+    console.print(
+        "osc = lag-1 autocorrelation of the load errors over the last 100 steps "
+        "(about 0: noise; near -1: the rule overshoots every step). Fresh tokens every step keep "
+        "MaxVio above zero even under perfect balance (the sampling floor)."
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moebalance",
+        description="DeepSeek-V4-style MoE training with first-class expert load balancing.",
+    )
+    parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="balancer simulation: every bias rule on skewed logits")
+    demo.add_argument("--steps", type=int, default=600)
+    demo.add_argument("--experts", type=int, default=16)
+    demo.add_argument("--k", type=int, default=4)
+    demo.add_argument("--tokens", type=int, default=2048, help="fresh tokens per step")
+    demo.add_argument("--skew", type=float, default=1.0, help="strength of the expert preference")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", 1) < 2:
+        print("moebalance: --steps must be at least 2", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
