@@ -22,6 +22,7 @@ from flax import nnx
 from moebalance import routing
 from moebalance.balancing import expert_counts
 from moebalance.model.dispatch import DROP_POLICIES, gather_rows, plan_dispatch
+from moebalance.model.layers import constant, dense_init
 from moebalance.routing import RoutingRecord
 
 DISPATCH_MODES = ("auto", "blocked", "ragged")
@@ -95,18 +96,14 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _init(rngs, shape, dtype, fan_in):
-    return jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) / math.sqrt(fan_in)
-
-
 class SwiGLU(nnx.Module):
     """A dense clamped SwiGLU [..., D] -> [..., D] (the shared experts, fused into width n*F)."""
 
     def __init__(self, emb_dim: int, hidden: int, *, limit: float, dtype, weight_dtype, rngs):
         self.limit, self.dtype = limit, dtype
-        self.w1 = nnx.Param(_init(rngs, (emb_dim, hidden), weight_dtype, emb_dim))  # gate
-        self.w3 = nnx.Param(_init(rngs, (emb_dim, hidden), weight_dtype, emb_dim))  # up
-        self.w2 = nnx.Param(_init(rngs, (hidden, emb_dim), weight_dtype, hidden))  # down
+        self.w1 = nnx.Param(dense_init(rngs, (emb_dim, hidden), weight_dtype))  # gate
+        self.w3 = nnx.Param(dense_init(rngs, (emb_dim, hidden), weight_dtype))  # up
+        self.w2 = nnx.Param(dense_init(rngs, (hidden, emb_dim), weight_dtype))  # down
 
     def __call__(self, x):
         x = x.astype(self.dtype)
@@ -128,11 +125,11 @@ class MoE(nnx.Module):
         self.dtype = jnp.dtype(c.dtype)
         wdtype = jnp.dtype(c.weight_dtype)
         e, d, f = c.num_experts, c.emb_dim, c.moe_mlp_dim
-        self.router = nnx.Param(_init(rngs, (d, e), jnp.float32, d))  # fp32 whatever the model
-        self.bias = RouterBias(jnp.zeros((e,), jnp.float32))
-        self.w1 = nnx.Param(_init(rngs, (e, d, f), wdtype, d))  # gate
-        self.w3 = nnx.Param(_init(rngs, (e, d, f), wdtype, d))  # up
-        self.w2 = nnx.Param(_init(rngs, (e, f, d), wdtype, f))  # down
+        self.router = nnx.Param(dense_init(rngs, (d, e), jnp.float32))  # fp32 whatever the model
+        self.bias = RouterBias(constant(0.0, (e,)))
+        self.w1 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # gate
+        self.w3 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # up
+        self.w2 = nnx.Param(dense_init(rngs, (e, f, d), wdtype, fan_in=f))  # down
         self.shared = (
             SwiGLU(d, c.shared_experts * f, limit=c.swiglu_limit, dtype=self.dtype,
                    weight_dtype=wdtype, rngs=rngs)

@@ -1,0 +1,219 @@
+"""The one typed configuration schema, and loading presets with `key=value` overrides.
+
+Every key, its type, default and a one-line description live in `Config` below (MaxText's key names
+where MaxText has the concept). Presets under `moebalance/configs/*.yml` hold only differences from
+these defaults. An unknown key, a wrong type or a contradiction fails at load time, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moebalance.model.moe import MoEConfig
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+def _key(default, help: str):
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class Config:
+    model_name: str = _key("deepseek4-custom", "name of the model preset")
+    # --- sizes ---
+    vocab_size: int = _key(129280, "vocabulary size V")
+    base_emb_dim: int = _key(64, "model width D")
+    base_num_decoder_layers: int = _key(4, "number of transformer blocks L")
+    base_num_query_heads: int = _key(4, "attention query heads H")
+    base_num_kv_heads: int = _key(1, "key/value heads (DeepSeek-V4: one shared K=V head)")
+    head_dim: int = _key(32, "width of one attention head")
+    qk_rope_head_dim: int = _key(32, "trailing head dims that get RoPE (interleaved pairs)")
+    q_lora_rank: int = _key(16, "rank of the low-rank query projection")
+    o_groups: int = _key(4, "groups of heads in the grouped low-rank output projection")
+    o_lora_rank: int = _key(16, "rank per output group")
+    sliding_window_size: int = _key(32, "causal sliding window of every layer (keys incl. self)")
+    compress_ratios: list = _key([0, 0, 4, 0], "per-layer KV compression: 0 none, 4 CSA, 128 HCA")
+    rope_max_timescale: float = _key(10000.0, "RoPE theta of uncompressed layers")
+    compress_rope_theta: float = _key(160000.0, "RoPE theta of compressed layers")
+    rope_factor: float = _key(1.0, "YaRN factor on compressed layers (1 = no YaRN)")
+    original_max_position_embeddings: int = _key(65536, "YaRN original context length")
+    beta_fast: float = _key(32.0, "YaRN beta_fast")
+    beta_slow: float = _key(1.0, "YaRN beta_slow")
+    index_n_heads: int = _key(4, "lightning-indexer heads")
+    index_head_dim: int = _key(32, "lightning-indexer head width")
+    index_topk: int = _key(16, "compressed entries each query keeps on CSA layers")
+    hc_mult: int = _key(4, "hyper-connection residual streams")
+    hc_sinkhorn_iters: int = _key(20, "Sinkhorn iterations of the hyper-connection mixing")
+    hc_eps: float = _key(1e-6, "hyper-connection epsilon")
+    normalization_layer_epsilon: float = _key(1e-6, "RMSNorm epsilon")
+    # --- MoE ---
+    num_experts: int = _key(8, "routed experts E per MoE layer")
+    num_experts_per_tok: int = _key(2, "experts K chosen per token")
+    base_moe_mlp_dim: int = _key(32, "hidden width F of one expert")
+    shared_experts: int = _key(1, "always-on shared experts")
+    routed_score_func: str = _key("sqrtsoftplus", "softmax | sigmoid | sqrtsoftplus")
+    routed_scaling_factor: float = _key(1.0, "route scale on the combine weights")
+    norm_topk_prob: typing.Optional[bool] = _key(None, "renormalise chosen weights (None: all but softmax)")
+    n_routing_groups: int = _key(0, "group-limited routing groups (0 = off)")
+    topk_routing_group: int = _key(0, "groups kept per token")
+    swiglu_limit: float = _key(0.0, "SwiGLU clamp limit (0 = off)")
+    capacity_factor: float = _key(-1.0, "expert capacity factor (<= 0: dropless)")
+    drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
+    moe_dispatch: str = _key("auto", "blocked | ragged | auto")
+    moe_block_size: int = _key(256, "rows per block of the blocked dispatch")
+    first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
+    hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced")
+    hash_table_seed: int = _key(0, "seed of the random hash table")
+    # --- MTP ---
+    mtp_num_layers: int = _key(0, "multi-token-prediction layers (0 or 1)")
+    mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
+    # --- numerics and compilation ---
+    dtype: str = _key("float32", "activation dtype (router, bias, hyper-connections stay fp32)")
+    weight_dtype: str = _key("float32", "parameter dtype")
+    scan_layers: bool = _key(True, "run repeated blocks under a scan (fast compile)")
+    remat_policy: str = _key("none", "rematerialise blocks in the backward pass: none | full")
+    max_target_length: int = _key(256, "training sequence length S")
+
+    def __post_init__(self):
+        validate(self)
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            emb_dim=self.base_emb_dim, num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok, moe_mlp_dim=self.base_moe_mlp_dim,
+            shared_experts=self.shared_experts, routed_score_func=self.routed_score_func,
+            routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
+            n_routing_groups=self.n_routing_groups, topk_routing_group=self.topk_routing_group,
+            swiglu_limit=self.swiglu_limit, capacity_factor=self.capacity_factor,
+            drop_policy=self.drop_policy, dispatch=self.moe_dispatch,
+            block_size=self.moe_block_size, dtype=self.dtype, weight_dtype=self.weight_dtype,
+        )
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be run; the message names the key and the fix."""
+
+
+def _require(ok: bool, key: str, message: str):
+    if not ok:
+        raise ConfigError(f"config key `{key}`: {message}")
+
+
+def validate(c: Config) -> None:
+    layers = c.base_num_decoder_layers
+    for key in ("vocab_size", "base_emb_dim", "base_num_decoder_layers", "base_num_query_heads",
+                "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
+                "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+                "max_target_length"):
+        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
+    _require(c.sliding_window_size > 0, "sliding_window_size",
+             f"must be > 0, got {c.sliding_window_size}")
+    _require(c.base_num_kv_heads == 1, "base_num_kv_heads",
+             "DeepSeek-V4 attention has exactly one shared K=V head; set it to 1")
+    _require(len(c.compress_ratios) in (layers, layers + c.mtp_num_layers), "compress_ratios",
+             f"has {len(c.compress_ratios)} entries for base_num_decoder_layers={layers} "
+             f"(give one per layer, optionally + one per MTP layer)")
+    _require(all(r == 0 or r >= 2 for r in c.compress_ratios), "compress_ratios",
+             f"entries must be 0 (off) or >= 2, got {c.compress_ratios}")
+    _require(0 <= c.first_num_hash_layers <= layers, "first_num_hash_layers",
+             f"must be in [0, base_num_decoder_layers={layers}], got {c.first_num_hash_layers}")
+    _require(c.base_num_query_heads % c.o_groups == 0, "o_groups",
+             f"base_num_query_heads={c.base_num_query_heads} is not divisible by "
+             f"o_groups={c.o_groups}")
+    for key, width in (("head_dim", c.head_dim), ("index_head_dim", c.index_head_dim)):
+        _require(0 < c.qk_rope_head_dim <= width and c.qk_rope_head_dim % 2 == 0,
+                 "qk_rope_head_dim", f"must be even and in (0, {key}={width}], "
+                 f"got {c.qk_rope_head_dim}")
+    _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
+    _require(c.remat_policy in ("none", "full"), "remat_policy",
+             f"must be 'none' or 'full', got {c.remat_policy!r}")
+    _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
+    from moebalance.routing import HASH_TABLES
+
+    _require(c.hash_table in HASH_TABLES, "hash_table",
+             f"unknown method {c.hash_table!r}; choose one of {sorted(HASH_TABLES)}")
+    try:
+        c.moe_config()
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"MoE settings: {err}") from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
+
+
+def _field_types() -> dict[str, Any]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _check_type(key: str, value, hint):
+    allowed = typing.get_args(hint) or (hint,)
+    if value is None and type(None) in allowed:
+        return value
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    base = [typing.get_origin(a) or a for a in allowed if a is not type(None)]
+    if any(isinstance(value, b) and not (b is int and isinstance(value, bool)) for b in base):
+        return value
+    names = " or ".join(getattr(b, "__name__", str(b)) for b in base)
+    raise ConfigError(f"config key `{key}`: expected {names}, got {value!r}")
+
+
+def _unknown(key: str, known) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key `{key}`{hint} (`moebalance keys` lists them all)")
+
+
+def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = None) -> Config:
+    """A preset name (e.g. 'deepseek4-tiny') or a YAML path, then overrides ('key=value' strings
+    parsed as YAML scalars, or a dict)."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = PRESET_DIR / f"{name_or_path}.yml"
+        if not path.exists():
+            raise ConfigError(f"no config named {name_or_path!r}; presets: {', '.join(presets())}"
+                              " (or give a path to a YAML file)")
+    elif not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    values = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+    if isinstance(overrides, dict):
+        values.update(overrides)
+    else:
+        for item in overrides or []:
+            key, sep, raw = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"override {item!r} must look like key=value")
+            values[key.strip()] = yaml.safe_load(raw)
+    types = _field_types()
+    for key in values:
+        if key not in types:
+            raise _unknown(key, types)
+    return Config(**{k: _check_type(k, v, types[k]) for k, v in values.items()})
+
+
+def describe() -> list[tuple[str, str, Any, str]]:
+    """(key, type, default, help) for every key of the schema."""
+    types = _field_types()
+    rows = []
+    for f in dataclasses.fields(Config):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        rows.append((f.name, str(types[f.name]).replace("typing.", ""), default,
+                     f.metadata["help"]))
+    return rows

@@ -1,0 +1,187 @@
+"""DeepSeek-V4 hybrid attention: a causal sliding window on every layer, plus compressed KV.
+
+Per layer with compress ratio r (0 = window only):
+
+    q   = per-head RMS(wq_b(q_norm(wq_a x)))      [B, S, H, hd], RoPE on the last rd dims
+    kv  = rope(kv_norm(wkv x))                     [B, S, hd], one head shared as K and V
+    ckv = Compressor_r(x)                          [B, n = S // r, hd] (r > 0)
+    o   = softmax over {window keys} + {visible compressed keys} + a per-head sink logit
+    out = wo_b(grouped wo_a(inverse-rope(o)))
+
+Causality, exactly: query t sees window keys t-W+1 .. t, and compressed entry i only once every
+token it summarises is in the past or present, i.e. t >= (i+1)*r - 1. On r = 4 layers (CSA) the
+lightning indexer keeps the `index_topk` best of those entries per query; on other ratios (HCA,
+r = 128) all visible entries are attended.
+
+The attention here materialises [S, S] and [S, n] logits: right for the sequence lengths of the
+configs trained on CPU; long-context kernels are future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moebalance.model.layers import RMSNorm, apply_rope, constant, dense_init, rms, rope_angles
+
+NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free (the sink keeps the softmax defined)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+    emb_dim: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    ratio: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    eps: float
+    dtype: str
+    weight_dtype: str
+
+
+def visible_entries(num_queries: int, num_entries: int, ratio: int) -> jax.Array:
+    """[S, n] bool: compressed entry i is visible to query t iff t >= (i+1)*ratio - 1."""
+    t = jnp.arange(num_queries)[:, None]
+    i = jnp.arange(num_entries)[None, :]
+    return i < (t + 1) // ratio
+
+
+def window_mask(num_queries: int, window: int) -> jax.Array:
+    """[S, S] bool: key j is visible to query t iff t - window < j <= t."""
+    t = jnp.arange(num_queries)[:, None]
+    j = jnp.arange(num_queries)[None, :]
+    return (j <= t) & (j > t - window)
+
+
+class Compressor(nnx.Module):
+    """Softmax-gated pooling of every r tokens into one KV entry (float32).
+
+    r == 4 overlaps: entry i pools 2r tokens (blocks i-1 and i) with separate projections for the
+    previous block (channels :d) and its own (channels d:); block 0 has no previous block. Each
+    channel has its own softmax over the pooled slots, with a learned per-slot bias `ape`.
+    """
+
+    def __init__(self, emb_dim: int, dim: int, ratio: int, rope_dim: int, eps: float,
+                 rngs: nnx.Rngs):
+        self.ratio, self.dim, self.rope_dim = ratio, dim, rope_dim
+        self.overlap = ratio == 4
+        width = dim * (2 if self.overlap else 1)
+        self.wkv = nnx.Param(dense_init(rngs, (emb_dim, width), jnp.float32))
+        self.wgate = nnx.Param(dense_init(rngs, (emb_dim, width), jnp.float32))
+        self.ape = nnx.Param(constant(0.0, (ratio, width)))
+        self.norm = RMSNorm(dim, eps)
+
+    def __call__(self, x: jax.Array, freqs) -> jax.Array:
+        """x [B, S, D] -> [B, S // r, d] float32, RoPE'd at each entry's first position."""
+        b, s, _ = x.shape
+        r, d = self.ratio, self.dim
+        n = s // r
+        x32 = x[:, : n * r].astype(jnp.float32)
+        kv = (x32 @ self.wkv[...]).reshape(b, n, r, -1)  # [B, n, r, w]
+        score = (x32 @ self.wgate[...]).reshape(b, n, r, -1) + self.ape[...]
+        if self.overlap:
+            prev_kv = jnp.pad(kv[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)))
+            prev_score = jnp.pad(score[:, :-1, :, :d], ((0, 0), (1, 0), (0, 0), (0, 0)),
+                                 constant_values=-jnp.inf)
+            kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)  # [B, n, 2r, d]
+            score = jnp.concatenate([prev_score, score[..., d:]], axis=2)
+        pooled = (kv * jax.nn.softmax(score, axis=2)).sum(2)  # [B, n, d]
+        pooled = self.norm(pooled)
+        cos, sin = rope_angles(jnp.arange(n) * r, freqs)
+        return apply_rope(pooled, cos, sin)
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer: score_s = sum_h w_h * relu(q_h . k_s), keep the top-k visible entries.
+
+    Top-k is discrete, so (as in DeepSeek's released code) no gradient reaches the indexer through
+    the selection; its output is a mask.
+    """
+
+    def __init__(self, dims: AttentionDims, rngs: nnx.Rngs):
+        self.dims = dims
+        self.wq_b = nnx.Param(dense_init(rngs, (dims.q_lora_rank, dims.index_heads *
+                                                dims.index_head_dim), dims.weight_dtype))
+        self.weights_proj = nnx.Param(dense_init(rngs, (dims.emb_dim, dims.index_heads),
+                                                 dims.weight_dtype))
+        self.compressor = Compressor(dims.emb_dim, dims.index_head_dim, dims.ratio,
+                                     dims.rope_dim, dims.eps, rngs)
+
+    def __call__(self, x, qr, cos, sin, freqs) -> jax.Array:
+        """-> [B, S, n] bool: entries each query attends."""
+        c = self.dims
+        b, s, _ = x.shape
+        q = (qr @ self.wq_b[...].astype(qr.dtype)).reshape(b, s, c.index_heads, c.index_head_dim)
+        q = apply_rope(q.astype(jnp.float32), cos[:, :, None], sin[:, :, None])
+        keys = self.compressor(x, freqs)  # [B, n, dh]
+        w = (x @ self.weights_proj[...].astype(x.dtype)).astype(jnp.float32)
+        w = w * (c.index_head_dim * c.index_heads) ** -0.5  # [B, S, h]
+        score = jnp.einsum("bshd,bnd->bshn", q, keys)
+        score = jnp.einsum("bsh,bshn->bsn", w, jax.nn.relu(score))  # [B, S, n]
+        visible = visible_entries(s, keys.shape[1], c.ratio)[None]
+        score = jnp.where(visible, score, -jnp.inf)
+        k = min(c.index_topk, keys.shape[1])
+        _, top = jax.lax.top_k(score, k)
+        chosen = jax.nn.one_hot(top, keys.shape[1], dtype=bool).any(-2)  # [B, S, n]
+        return jax.lax.stop_gradient(chosen & visible)
+
+
+class Attention(nnx.Module):
+    def __init__(self, dims: AttentionDims, rngs: nnx.Rngs):
+        c = self.dims = dims
+        wd = c.weight_dtype
+        self.wq_a = nnx.Param(dense_init(rngs, (c.emb_dim, c.q_lora_rank), wd))
+        self.q_norm = RMSNorm(c.q_lora_rank, c.eps)
+        self.wq_b = nnx.Param(dense_init(rngs, (c.q_lora_rank, c.heads * c.head_dim), wd))
+        self.wkv = nnx.Param(dense_init(rngs, (c.emb_dim, c.head_dim), wd))
+        self.kv_norm = RMSNorm(c.head_dim, c.eps)
+        self.attn_sink = nnx.Param(constant(0.0, (c.heads,)))
+        group_in = c.heads * c.head_dim // c.o_groups
+        self.wo_a = nnx.Param(dense_init(rngs, (c.o_groups, group_in, c.o_lora_rank), wd,
+                                         fan_in=group_in))
+        self.wo_b = nnx.Param(dense_init(rngs, (c.o_groups * c.o_lora_rank, c.emb_dim), wd))
+        self.compressor = (Compressor(c.emb_dim, c.head_dim, c.ratio, c.rope_dim, c.eps, rngs)
+                           if c.ratio else None)
+        self.indexer = Indexer(dims, rngs) if c.ratio == 4 else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
+        """x [B, S, D] (the attention norm's output), positions [B, S] -> [B, S, D]."""
+        c = self.dims
+        dt = jnp.dtype(c.dtype)
+        b, s, _ = x.shape
+        x = x.astype(dt)
+        cos, sin = rope_angles(positions, freqs)  # [B, S, rd/2]
+        qr = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, S, q_lora]
+        q = (qr @ self.wq_b[...].astype(dt)).reshape(b, s, c.heads, c.head_dim)
+        q = apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None])  # [B, S, H, hd] f32
+        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), cos, sin)  # [B, S, hd]
+        scale = c.head_dim ** -0.5
+        logits = jnp.einsum("bshd,btd->bhst", q, kv.astype(jnp.float32)) * scale
+        logits = jnp.where(window_mask(s, c.window), logits, NEG_INF)  # [B, H, S, S]
+        values = [kv.astype(jnp.float32)]
+        if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
+            ckv = self.compressor(x, freqs)  # [B, n, hd]
+            visible = visible_entries(s, ckv.shape[1], c.ratio)[None]  # [1, S, n]
+            if self.indexer is not None:
+                visible = self.indexer(x, qr, cos, sin, freqs)
+            clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
+            logits = jnp.concatenate(
+                [logits, jnp.where(visible[:, None], clogits, NEG_INF)], axis=-1)
+            values.append(ckv)
+        sink = jnp.broadcast_to(self.attn_sink[...][None, :, None, None], (b, c.heads, s, 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        o = jnp.einsum("bhst,btd->bshd", probs, jnp.concatenate(values, axis=1))  # [B,S,H,hd]
+        o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True).astype(dt)
+        o = o.reshape(b, s, c.o_groups, -1)  # [B, S, G, H/G * hd]
+        o = jnp.einsum("bsgk,gkr->bsgr", o, self.wo_a[...].astype(dt)).reshape(b, s, -1)
+        return o @ self.wo_b[...].astype(dt)  # [B, S, D]

@@ -1,0 +1,236 @@
+"""The DeepSeek-V4 model: embedding -> hyper-connected blocks -> head, plus optional MTP.
+
+    h = repeat(embed(tokens), m)                         [B, S, m, D]   m = hc_mult streams
+    for each block:  h = hc(attention(attn_norm(.)))     sliding window + compressed KV
+                     h = hc(moe(ffn_norm(.)))            hash-routed in the first blocks
+    logits = head(norm(hc_head(h)))                      [B, S, V] float32, untied
+
+Blocks differ by compress ratio and routing kind. Runs of a repeating kind pattern (e.g. the
+[128, 4] pairs of V4) are built with `nnx.vmap` and run under `nnx.scan`, so a 43-layer model
+compiles like a handful of blocks; `scan_layers=False` unrolls everything (same maths).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moebalance import routing
+from moebalance.config import Config, ConfigError
+from moebalance.model.attention import Attention, AttentionDims
+from moebalance.model.hyper import HyperConnection, HyperHead
+from moebalance.model.layers import RMSNorm, dense_init, init_normal, rope_frequencies
+from moebalance.model.moe import MoE
+from moebalance.routing import RoutingRecord
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, S, V] float32
+    routing: RoutingRecord  # every field with a leading layer axis L (block order)
+    mtp_logits: jax.Array | None  # [B, S, V] float32: position t predicts token t+2
+    mtp_routing: RoutingRecord | None
+
+
+def attention_dims(cfg: Config, ratio: int) -> AttentionDims:
+    return AttentionDims(
+        emb_dim=cfg.base_emb_dim, heads=cfg.base_num_query_heads, head_dim=cfg.head_dim,
+        rope_dim=cfg.qk_rope_head_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups,
+        o_lora_rank=cfg.o_lora_rank, window=cfg.sliding_window_size, ratio=ratio,
+        index_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
+        index_topk=cfg.index_topk, eps=cfg.normalization_layer_epsilon, dtype=cfg.dtype,
+        weight_dtype=cfg.weight_dtype,
+    )
+
+
+def layer_freqs(cfg: Config, ratio: int):
+    """RoPE frequencies: rope theta on uncompressed layers, compress theta (+ YaRN) otherwise."""
+    if ratio == 0:
+        return rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_max_timescale)
+    return rope_frequencies(
+        cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn_factor=cfg.rope_factor,
+        original_length=cfg.original_max_position_embeddings, beta_fast=cfg.beta_fast,
+        beta_slow=cfg.beta_slow,
+    )
+
+
+class Block(nnx.Module):
+    """One transformer block: hyper-connected attention, then hyper-connected MoE."""
+
+    def __init__(self, cfg: Config, ratio: int, hash_table, *, rngs: nnx.Rngs):
+        d, m, eps = cfg.base_emb_dim, cfg.hc_mult, cfg.normalization_layer_epsilon
+        hc = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=eps, rngs=rngs)
+        self.freqs = tuple(float(f) for f in layer_freqs(cfg, ratio))
+        self.remat = cfg.remat_policy == "full"
+        self.attn_hc = HyperConnection(d, m, **hc)
+        self.attn_norm = RMSNorm(d, eps)
+        self.attn = Attention(attention_dims(cfg, ratio), rngs)
+        self.ffn_hc = HyperConnection(d, m, **hc)
+        self.ffn_norm = RMSNorm(d, eps)
+        self.ffn = MoE(cfg.moe_config(), hash_table=hash_table, rngs=rngs)
+
+    def forward(self, h, token_ids, positions, mask):
+        """h [B, S, m, D] -> (h [B, S, m, D], RoutingRecord)."""
+        y, post, comb = self.attn_hc.pre(h)
+        h = HyperConnection.post(self.attn(self.attn_norm(y), positions, self.freqs), h, post,
+                                 comb)
+        y, post, comb = self.ffn_hc.pre(h)
+        out, record = self.ffn(self.ffn_norm(y), token_ids=token_ids, mask=mask)
+        return HyperConnection.post(out, h, post, comb), record
+
+    def __call__(self, h, token_ids, positions, mask):
+        if self.remat:
+            return nnx.remat(lambda blk, *a: blk.forward(*a))(self, h, token_ids, positions, mask)
+        return self.forward(h, token_ids, positions, mask)
+
+
+def layer_kinds(cfg: Config) -> list[tuple[int, bool]]:
+    """(compress ratio, hash-routed) of every block."""
+    return [(cfg.compress_ratios[i], i < cfg.first_num_hash_layers)
+            for i in range(cfg.base_num_decoder_layers)]
+
+
+def segments(kinds: list, max_period: int = 2) -> list[tuple[int, int, int]]:
+    """Split blocks into (start, period, repeats) runs: the longest run of a repeating pattern of
+    up to `max_period` kinds starting at each point (repeats >= 2), else a single block."""
+    out, i = [], 0
+    while i < len(kinds):
+        best = (1, 1)
+        for p in range(1, max_period + 1):
+            n = 1
+            while kinds[i + n * p: i + (n + 1) * p] == kinds[i: i + p] and i + (n + 1) * p <= len(
+                    kinds):
+                n += 1
+            if n >= 2 and n * p > best[0] * best[1]:
+                best = (p, n)
+        out.append((i, *best))
+        i += best[0] * best[1]
+    return out
+
+
+class Unit(nnx.Module):
+    """`period` consecutive blocks: the body of one scan step."""
+
+    def __init__(self, cfg: Config, kinds, tables, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([Block(cfg, ratio, table, rngs=rngs)
+                                for (ratio, _), table in zip(kinds, tables)])
+
+    def __call__(self, h, token_ids, positions, mask):
+        records = []
+        for block in self.blocks:
+            h, record = block(h, token_ids, positions, mask)
+            records.append(record)
+        return h, records
+
+
+class Stack(nnx.Module):
+    """`repeats` Units with stacked parameters, run under nnx.scan."""
+
+    def __init__(self, cfg: Config, kinds, tables, repeats: int, *, rngs: nnx.Rngs):
+        # Built one by one and stacked on the host (not with nnx.vmap) so that initialisation
+        # stays NumPy-only: see layers.init_normal.
+        units = [Unit(cfg, kinds, tables[r], rngs=rngs) for r in range(repeats)]
+        graphdef, _ = nnx.split(units[0])
+        stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs])),
+                               *[nnx.state(u) for u in units])
+        self.units = nnx.merge(graphdef, stacked)
+
+    def __call__(self, h, token_ids, positions, mask):
+        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=(nnx.Carry, 0))
+        def body(h, unit, token_ids, positions, mask):
+            return unit(h, token_ids, positions, mask)
+
+        h, records = body(h, self.units, token_ids, positions, mask)  # [n][period] records
+        # interleave to block order: unit 0's blocks, unit 1's blocks, ...
+        stacked = jax.tree.map(lambda *r: jnp.stack(r, axis=1), *records)  # [n, period, ...]
+        per_layer = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stacked)
+        return h, [jax.tree.map(lambda x: x[i], per_layer) for i in range(per_layer.counts.shape[0])]
+
+
+def build_hash_tables(cfg: Config, tables=None) -> list:
+    """One [V, K] table per hash-routed block (None for the others)."""
+    n = cfg.first_num_hash_layers
+    if tables is not None:
+        if len(tables) != n:
+            raise ConfigError(f"got {len(tables)} hash tables for first_num_hash_layers={n}")
+        return list(tables) + [None] * (cfg.base_num_decoder_layers - n)
+    if n and cfg.hash_table == "balanced":
+        raise ConfigError("config key `hash_table`: 'balanced' needs token counts; build the tables "
+                          "with moebalance.routing.build_hash_table and pass hash_tables=")
+    built = [routing.build_hash_table(cfg.vocab_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.hash_table, seed=cfg.hash_table_seed + i)
+             for i in range(n)]
+    return built + [None] * (cfg.base_num_decoder_layers - n)
+
+
+class MTP(nnx.Module):
+    """Multi-token prediction: one more block on [embed(next token), h], its own hc head and norm."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        d, eps, wd = cfg.base_emb_dim, cfg.normalization_layer_epsilon, cfg.weight_dtype
+        self.enorm, self.hnorm, self.norm = RMSNorm(d, eps), RMSNorm(d, eps), RMSNorm(d, eps)
+        self.e_proj = nnx.Param(dense_init(rngs, (d, d), wd))
+        self.h_proj = nnx.Param(dense_init(rngs, (d, d), wd))
+        ratios = cfg.compress_ratios
+        ratio = ratios[cfg.base_num_decoder_layers] if len(ratios) > cfg.base_num_decoder_layers else 0
+        self.block = Block(cfg, ratio, None, rngs=rngs)
+        self.hc_head = HyperHead(d, cfg.hc_mult, eps=cfg.hc_eps, norm_eps=eps, rngs=rngs)
+
+
+class DeepSeekV4(nnx.Module):
+    def __init__(self, cfg: Config, *, hash_tables=None, rngs: nnx.Rngs):
+        self.config = cfg
+        d, v, wd = cfg.base_emb_dim, cfg.vocab_size, cfg.weight_dtype
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Param(init_normal(rngs, (v, d), wd, 1.0))
+        tables = build_hash_tables(cfg, hash_tables)
+        kinds = layer_kinds(cfg)
+        self.segments = nnx.List()
+        for start, period, repeats in (segments(kinds) if cfg.scan_layers
+                                       else [(i, 1, 1) for i in range(len(kinds))]):
+            if repeats == 1:
+                for i in range(start, start + period):
+                    self.segments.append(Block(cfg, kinds[i][0], tables[i], rngs=rngs))
+                continue
+            unit_kinds = kinds[start:start + period]
+            unit_tables = [tables[start + r * period: start + (r + 1) * period]
+                           for r in range(repeats)]
+            self.segments.append(Stack(cfg, unit_kinds, unit_tables, repeats, rngs=rngs))
+        self.hc_head = HyperHead(d, cfg.hc_mult, eps=cfg.hc_eps,
+                                 norm_eps=cfg.normalization_layer_epsilon, rngs=rngs)
+        self.norm = RMSNorm(d, cfg.normalization_layer_epsilon)
+        self.head = nnx.Param(dense_init(rngs, (d, v), jnp.float32))  # untied, float32
+        self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
+
+    def logits(self, y):
+        return y.astype(jnp.float32) @ self.head[...]
+
+    def __call__(self, tokens, *, positions=None, mask=None, mtp_tokens=None) -> ModelOutput:
+        """tokens [B, S] int; positions [B, S] (default 0..S-1); mask [B, S] valid tokens (for
+        the routing counts); mtp_tokens [B, S]: the token after each position (MTP input)."""
+        c = self.config
+        routing.check_token_ids(tokens, c.vocab_size)
+        b, s = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
+        h = jnp.broadcast_to(x[:, :, None], (b, s, c.hc_mult, c.base_emb_dim))  # [B, S, m, D]
+        records = []
+        for seg in self.segments:
+            h, rec = seg(h, tokens, positions, mask)
+            records.extend(rec if isinstance(rec, list) else [rec])
+        stacked = jax.tree.map(lambda *r: jnp.stack(r), *records)
+        logits = self.logits(self.norm(self.hc_head(h)))
+        if self.mtp is None:
+            return ModelOutput(logits, stacked, None, None)
+        if mtp_tokens is None:
+            raise ValueError("this model has an MTP layer: pass mtp_tokens (the next tokens)")
+        mtp = self.mtp
+        e = mtp.enorm(jnp.take(self.embed[...], mtp_tokens, axis=0).astype(self.dtype))
+        hm = (e @ mtp.e_proj[...].astype(self.dtype))[:, :, None] + mtp.hnorm(h) @ mtp.h_proj[
+            ...].astype(self.dtype)
+        hm, mtp_record = mtp.block(hm, mtp_tokens, positions, mask)
+        return ModelOutput(logits, stacked, self.logits(mtp.norm(mtp.hc_head(hm))), mtp_record)
