@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from moebalance import __version__
@@ -47,6 +48,20 @@ def _demo(args) -> int:
     return 0
 
 
+def _params(args) -> int:
+    """Print total and active parameter counts of a config (abstract evaluation, no memory)."""
+    from moebalance.config import load_config
+    from moebalance.model.transformer import parameter_counts
+
+    counts = parameter_counts(load_config(args.config, args.overrides))
+    if args.json:
+        print(json.dumps(counts))
+    else:
+        for key, value in counts.items():
+            print(f"{key:>6}: {value:>17,d}  ({value / 1e9:.2f}B)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moebalance",
@@ -62,15 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--skew", type=float, default=1.0, help="strength of the expert preference")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+    params = sub.add_parser("params", help="total and active parameter counts of a config")
+    params.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
+    params.add_argument("overrides", nargs="*", help="key=value overrides")
+    params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
+    params.set_defaults(func=_params)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moebalance.config import ConfigError
+
     args = build_parser().parse_args(argv)
-    if getattr(args, "steps", 1) < 2:
+    if getattr(args, "steps", 2) < 2:
         print("moebalance: --steps must be at least 2", file=sys.stderr)
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"moebalance: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

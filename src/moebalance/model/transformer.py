@@ -23,7 +23,7 @@ from moebalance import routing
 from moebalance.config import Config, ConfigError
 from moebalance.model.attention import Attention, AttentionDims
 from moebalance.model.hyper import HyperConnection, HyperHead
-from moebalance.model.layers import RMSNorm, dense_init, init_normal, rope_frequencies
+from moebalance.model.layers import RMSNorm, dense_init, init_normal, rope_frequencies, stack
 from moebalance.model.moe import MoE
 from moebalance.routing import RoutingRecord
 
@@ -134,8 +134,7 @@ class Stack(nnx.Module):
         # stays NumPy-only: see layers.init_normal.
         units = [Unit(cfg, kinds, tables[r], rngs=rngs) for r in range(repeats)]
         graphdef, _ = nnx.split(units[0])
-        stacked = jax.tree.map(lambda *xs: jnp.asarray(np.stack([np.asarray(x) for x in xs])),
-                               *[nnx.state(u) for u in units])
+        stacked = jax.tree.map(lambda *xs: stack(xs), *[nnx.state(u) for u in units])
         self.units = nnx.merge(graphdef, stacked)
 
     def __call__(self, h, token_ids, positions, mask):
@@ -234,3 +233,29 @@ class DeepSeekV4(nnx.Module):
             ...].astype(self.dtype)
         hm, mtp_record = mtp.block(hm, mtp_tokens, positions, mask)
         return ModelOutput(logits, stacked, self.logits(mtp.norm(mtp.hc_head(hm))), mtp_record)
+
+
+def parameter_counts(cfg: Config) -> dict[str, int]:
+    """Parameter counts by abstract evaluation (nothing is allocated).
+
+    total: every parameter of the main model (the MTP layer is counted apart, as DeepSeek does);
+    active: those one token uses: all but the embedding table (a lookup, not a matmul) and the
+    routed experts it does not choose (K of E per MoE layer); mtp: the MTP layer's parameters.
+    """
+    tables = [np.zeros((cfg.vocab_size, cfg.num_experts_per_tok), np.int32)
+              ] * cfg.first_num_hash_layers  # stand-ins: building real tables is slow and moot
+    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(0)))
+    total = mtp = inactive = 0
+    unused = 1.0 - cfg.num_experts_per_tok / cfg.num_experts
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        size = int(np.prod(var.shape))
+        routed = path[-2:] in (("ffn", "w1"), ("ffn", "w2"), ("ffn", "w3"))  # not ffn.shared.w*
+        if path[0] == "mtp":
+            mtp += size
+            continue
+        total += size
+        if routed:
+            inactive += size * unused
+        if path == ("embed",):
+            inactive += size
+    return {"total": total, "active": int(round(total - inactive)), "mtp": mtp}

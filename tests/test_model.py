@@ -1,0 +1,241 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import reference_v4 as ref
+from moebalance.config import ConfigError, load_config
+from moebalance.model import layers
+from moebalance.model.attention import Attention, Compressor
+from moebalance.model.hyper import HyperConnection, sinkhorn
+from moebalance.model.transformer import DeepSeekV4, attention_dims, parameter_counts
+
+RNG = np.random.default_rng(0)
+
+
+def f64(x):
+    return np.asarray(x, np.float64)
+
+
+def test_rope_matches_reference_and_inverse_undoes_it():
+    freqs = layers.rope_frequencies(8, 10000.0)
+    x = RNG.normal(size=(5, 12)).astype(np.float32)  # 4 unrotated dims, then 8 rotated
+    pos = jnp.arange(5) * 7
+    cos, sin = layers.rope_angles(pos, freqs)
+    y = layers.apply_rope(jnp.asarray(x), cos, sin)
+    want = np.stack([ref.rope(x[t], 7 * t, freqs) for t in range(5)])
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(y[:, :4], x[:, :4])
+    np.testing.assert_allclose(layers.apply_rope(y, cos, sin, inverse=True), x, atol=1e-5)
+    # q.k depends only on the offset between positions
+    q, k = RNG.normal(size=12), RNG.normal(size=12)
+    dots = [ref.rope(q, a + 3, freqs) @ ref.rope(k, a, freqs) for a in (0, 11, 40)]
+    np.testing.assert_allclose(dots, dots[0], rtol=1e-9)
+
+
+def test_yarn_frequencies_hand_checked():
+    # V4-Flash: rope 64, theta 160000, factor 16, original 65536, beta 32/1 -> dims <= 15 keep
+    # their frequency, dims >= 25 are divided by 16, a linear ramp between.
+    base = layers.rope_frequencies(64, 160000.0)
+    yarn = layers.rope_frequencies(64, 160000.0, yarn_factor=16.0, original_length=65536,
+                                   beta_fast=32.0, beta_slow=1.0)
+    np.testing.assert_allclose(yarn[:16], base[:16])
+    np.testing.assert_allclose(yarn[25:], base[25:] / 16)
+    ramp = (20 - 15) / (25 - 15)
+    np.testing.assert_allclose(yarn[20], base[20] / 16 * ramp + base[20] * (1 - ramp))
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    # Logits of the spread the mixing sees in practice (std 0.5). DeepSeek's 20 iterations leave
+    # very peaked matrices (std >= 1) short of convergence: rows then sum to 1 only to ~1e-4.
+    logits = jnp.asarray(RNG.normal(size=(500, 4, 4)) * 0.5, jnp.float32)
+    comb = sinkhorn(logits, 20, 1e-6)
+    np.testing.assert_allclose(comb.sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(comb[0], ref.sinkhorn(f64(logits[0]), 20, 1e-6), rtol=1e-5)
+
+
+def test_hyper_connection_matches_reference():
+    m, d = 4, 8
+    hc = HyperConnection(d, m, iters=20, eps=1e-6, norm_eps=1e-6, rngs=nnx.Rngs(0))
+    hc.fn[...] = jnp.asarray(RNG.normal(size=hc.fn.shape) * 0.3, jnp.float32)
+    hc.base[...] = jnp.asarray(RNG.normal(size=hc.base.shape), jnp.float32)
+    hc.scale[...] = jnp.asarray([0.5, 1.5, 2.0], jnp.float32)
+    h = jnp.asarray(RNG.normal(size=(2, 3, m, d)), jnp.float32)
+    y, post, comb = hc.pre(h)
+    fy = jnp.asarray(RNG.normal(size=(2, 3, d)), jnp.float32)
+    out = HyperConnection.post(fy, h, post, comb)
+    for b in range(2):
+        for s in range(3):
+            ry, rpost, rcomb = ref.hc_pre(f64(h[b, s]), f64(hc.fn[...]), f64(hc.base[...]),
+                                          f64(hc.scale[...]), 20, 1e-6, 1e-6)
+            np.testing.assert_allclose(y[b, s], ry, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(post[b, s], rpost, rtol=1e-5)
+            np.testing.assert_allclose(comb[b, s], rcomb, rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(out[b, s], ref.hc_post(f64(fy[b, s]), f64(h[b, s]), rpost,
+                                                              rcomb), rtol=1e-4, atol=1e-5)
+
+
+def _randomize(module, scale=0.5):
+    """Give zero/one-initialised parameters (sinks, ape, norms) random values too."""
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if path[-1] in ("attn_sink", "ape", "weight"):
+            var[...] = jnp.asarray(RNG.normal(size=var.shape) * scale + (path[-1] == "weight"),
+                                   var.dtype)
+
+
+@pytest.mark.parametrize("ratio", [4, 8])
+def test_compressor_matches_reference(ratio):
+    comp = Compressor(16, 6, ratio, 4, 1e-6, nnx.Rngs(1))
+    _randomize(comp)
+    freqs = layers.rope_frequencies(4, 160000.0)
+    x = jnp.asarray(RNG.normal(size=(2, 21, 16)), jnp.float32)  # 21: a trailing partial block
+    got = comp(x, freqs)
+    assert got.shape == (2, 21 // ratio, 6)
+    for b in range(2):
+        want = ref.compressor(f64(x[b]), f64(comp.wkv[...]), f64(comp.wgate[...]),
+                              f64(comp.ape[...]), f64(comp.norm.weight[...]), ratio, freqs, 1e-6)
+        np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)
+
+
+def _params_of_attention(attn):
+    def get(mod):
+        return {path[-1] if path[-1] != "weight" else path[-2]: f64(v[...])
+                for path, v in nnx.to_flat_state(nnx.state(mod, nnx.Param))
+                if len(path) == 1 or (len(path) == 2 and path[-1] == "weight")}
+    p = get(attn)
+    if attn.compressor is not None:
+        p["compressor"] = get(attn.compressor)
+    if attn.indexer is not None:
+        p["indexer"] = {**get(attn.indexer), **get(attn.indexer.compressor)}
+    return p
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 8])
+def test_attention_matches_reference(ratio):
+    cfg = load_config("deepseek4-smoke", dict(index_topk=3, sliding_window_size=6))
+    dims = attention_dims(cfg, ratio)
+    attn = Attention(dims, nnx.Rngs(2))
+    _randomize(attn)
+    freqs = layers.rope_frequencies(dims.rope_dim, 10000.0)
+    s = 26
+    x = jnp.asarray(RNG.normal(size=(1, s, dims.emb_dim)), jnp.float32)
+    got = attn(x, jnp.arange(s)[None], freqs)
+    p = _params_of_attention(attn)
+    c = dict(heads=dims.heads, head_dim=dims.head_dim, eps=dims.eps, ratio=ratio,
+             window=dims.window, o_groups=dims.o_groups, index_heads=dims.index_heads,
+             index_head_dim=dims.index_head_dim, index_topk=dims.index_topk,
+             q_norm=p["q_norm"], kv_norm=p["kv_norm"])
+    want = ref.attention(f64(x[0]), p, c, freqs)
+    np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=2e-5)
+
+
+CAUSAL = dict(compress_ratios=[0, 4, 8, 4], first_num_hash_layers=1, max_target_length=32,
+              index_topk=2, sliding_window_size=5, mtp_num_layers=1)
+
+
+def test_causality_every_layer_kind_and_mtp():
+    cfg = load_config("deepseek4-smoke", CAUSAL)
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    run = nnx.jit(lambda m, t, n: m(t, mtp_tokens=n))
+    tokens = jax.random.randint(jax.random.key(1), (1, 32), 0, cfg.vocab_size)
+    nxt = jnp.roll(tokens, -1, axis=1)
+    base = run(model, tokens, nxt)
+    for t in (0, 7, 8, 19, 31):
+        changed = tokens.at[0, t].set((tokens[0, t] + 1) % cfg.vocab_size)
+        out = run(model, changed, jnp.roll(changed, -1, axis=1))
+        np.testing.assert_array_equal(out.logits[0, :t], base.logits[0, :t])
+        assert not np.allclose(out.logits[0, t], base.logits[0, t])
+        # MTP at position p reads token p+1: positions < t-1 are untouched
+        np.testing.assert_array_equal(out.mtp_logits[0, :max(t - 1, 0)],
+                                      base.mtp_logits[0, :max(t - 1, 0)])
+
+
+def test_scan_equals_unrolled_and_records_are_per_layer():
+    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4], base_num_decoder_layers=7,
+                first_num_hash_layers=2, max_target_length=16)
+    scanned = DeepSeekV4(load_config("deepseek4-smoke", over), rngs=nnx.Rngs(3))
+    unrolled = DeepSeekV4(load_config("deepseek4-smoke", {**over, "scan_layers": False}),
+                          rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    run = nnx.jit(lambda m, t: m(t))
+    a, b = run(scanned, tokens), run(unrolled, tokens)
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(a.routing.counts, b.routing.counts)
+    assert a.routing.counts.shape == (7, 8) and a.routing.counts.dtype == jnp.int32
+    assert (np.asarray(a.routing.counts).sum(1) == 2 * 16 * 2).all()
+    # hash layers route by token id: their record is the table lookup
+    tables = [blk.ffn.hash_table[...] for blk in unrolled.segments[:2]]
+    for layer in range(2):
+        np.testing.assert_array_equal(b.routing.indices[layer], np.asarray(tables[layer])[tokens])
+
+
+def test_tiny_config_trains_on_a_fixed_batch():
+    cfg = load_config("deepseek4-tiny", dict(max_target_length=32))
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 1000)
+
+    @nnx.jit
+    def step(model, opt, tokens):
+        def loss_fn(model):
+            logits = model(tokens[:, :-1]).logits
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, tokens)) for _ in range(8)]
+    assert losses[0] == pytest.approx(np.log(cfg.vocab_size), rel=0.1)
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_bf16_model_keeps_float32_islands():
+    cfg = load_config("deepseek4-smoke", dict(dtype="bfloat16", weight_dtype="bfloat16"))
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    out = nnx.jit(lambda m, t: m(t))(model, jnp.zeros((1, 8), jnp.int32))
+    assert out.logits.dtype == jnp.float32 and out.routing.scores.dtype == jnp.float32
+    blk = model.segments[-1]
+    assert blk.attn_hc.fn.dtype == jnp.float32 and blk.ffn.bias.dtype == jnp.float32
+    assert blk.ffn.router.dtype == jnp.float32 and blk.attn.wq_a.dtype == jnp.bfloat16
+    assert model.head.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("name, total, active", [("deepseek4-flash", 284e9, 13e9),
+                                                 ("deepseek4-pro", 1.6e12, 49e9)])
+def test_real_shapes_parameter_counts(name, total, active):
+    counts = parameter_counts(load_config(name))
+    assert counts["total"] == pytest.approx(total, rel=0.03)
+    assert counts["active"] == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "over, key",
+    [
+        (dict(compress_ratios=[0, 4]), "compress_ratios"),
+        (dict(first_num_hash_layers=5), "first_num_hash_layers"),
+        (dict(o_groups=3), "o_groups"),
+        (dict(sliding_window_size=0), "sliding_window_size"),
+        (dict(base_num_kv_heads=2), "base_num_kv_heads"),
+        (dict(qk_rope_head_dim=20), "qk_rope_head_dim"),
+        (dict(num_experts_per_tok=9), "MoE settings"),
+        (dict(hash_table="modulo"), "hash_table"),
+        (dict(head_dim="big"), "head_dim"),
+        (dict(num_expert=8), "unknown config key `num_expert`; did you mean num_experts"),
+    ],
+)
+def test_bad_config_names_the_key(over, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config("deepseek4-smoke", over)
+
+
+def test_overrides_are_parsed_as_yaml():
+    cfg = load_config("deepseek4-smoke", ["num_experts=16", "compress_ratios=[0, 4, 4, 0]",
+                                          "dtype=bfloat16", "norm_topk_prob=null"])
+    assert cfg.num_experts == 16 and cfg.compress_ratios == [0, 4, 4, 0]
+    assert cfg.dtype == "bfloat16" and cfg.norm_topk_prob is None
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config("deepseek4-smoke", ["num_experts"])
