@@ -62,6 +62,17 @@ def _params(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    """Import a DeepSeek-V4 checkpoint in the HF layout (dequantising FP8/FP4) and write it back
+    out in plain float32 or bfloat16."""
+    from moebalance import hf
+
+    config, model = hf.load(args.src, weight_dtype=args.dtype)
+    hf.save(model, config, args.dst)
+    print(f"wrote {args.dst} ({config.base_num_decoder_layers} layers, {args.dtype})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moebalance",
@@ -82,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*", help="key=value overrides")
     params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
     params.set_defaults(func=_params)
+    convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "
+                             "dequantising FP8/FP4 weights")
+    convert.add_argument("src", help="directory with config.json and *.safetensors")
+    convert.add_argument("dst", help="new directory to write (must not hold a checkpoint)")
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    convert.set_defaults(func=_convert)
     return parser
 
 
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"moebalance: {err}", file=sys.stderr)
         return 2
 

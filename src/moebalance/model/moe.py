@@ -126,7 +126,8 @@ class MoE(nnx.Module):
         wdtype = jnp.dtype(c.weight_dtype)
         e, d, f = c.num_experts, c.emb_dim, c.moe_mlp_dim
         self.router = nnx.Param(dense_init(rngs, (d, e), jnp.float32))  # fp32 whatever the model
-        self.bias = RouterBias(constant(0.0, (e,)))
+        # the selection bias exists on top-k layers only: hash layers choose by token id
+        self.bias = None if hash_table is not None else RouterBias(constant(0.0, (e,)))
         self.w1 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # gate
         self.w3 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # up
         self.w2 = nnx.Param(dense_init(rngs, (e, f, d), wdtype, fan_in=f))  # down

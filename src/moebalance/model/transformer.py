@@ -187,12 +187,13 @@ class DeepSeekV4(nnx.Module):
         self.embed = nnx.Param(init_normal(rngs, (v, d), wd, 1.0))
         tables = build_hash_tables(cfg, hash_tables)
         kinds = layer_kinds(cfg)
+        # (first block, blocks per unit, units) of each entry of self.segments
+        self.layout = tuple(segments(kinds) if cfg.scan_layers
+                            else [(i, 1, 1) for i in range(len(kinds))])
         self.segments = nnx.List()
-        for start, period, repeats in (segments(kinds) if cfg.scan_layers
-                                       else [(i, 1, 1) for i in range(len(kinds))]):
+        for start, period, repeats in self.layout:
             if repeats == 1:
-                for i in range(start, start + period):
-                    self.segments.append(Block(cfg, kinds[i][0], tables[i], rngs=rngs))
+                self.segments.append(Block(cfg, kinds[start][0], tables[start], rngs=rngs))
                 continue
             unit_kinds = kinds[start:start + period]
             unit_tables = [tables[start + r * period: start + (r + 1) * period]
