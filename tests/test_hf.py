@@ -1,4 +1,5 @@
 import json
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -163,3 +164,93 @@ def test_convert_command(saved, tmp_path):
         model.segments[-1].attn.wq_a[...].astype(jnp.bfloat16))
     assert model2.segments[-1].ffn.bias[...].dtype == jnp.float32  # the bias stays fp32
     assert main(["convert", str(path), str(tmp_path / "bf16")]) == 2  # refuses to overwrite
+
+
+# HF name inside a block -> DeepSeek's release name (from DeepSeek's inference code), written out
+# by hand as an independent check of hf.official_to_hf.
+OFFICIAL = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
+    "ffn_norm.weight", "self_attn.sinks": "attn.attn_sink",
+    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_norm.weight":
+    "attn.q_norm.weight", "self_attn.q_b_proj.weight": "attn.wq_b.weight",
+    "self_attn.kv_proj.weight": "attn.wkv.weight", "self_attn.kv_norm.weight":
+    "attn.kv_norm.weight", "self_attn.o_a_proj.weight": "attn.wo_a.weight",
+    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
+    "self_attn.compressor.position_bias": "attn.compressor.ape",
+    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
+    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
+    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
+    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
+    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
+    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
+    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
+}
+for _s in ("attn", "ffn"):
+    for _p in ("fn", "base", "scale"):
+        OFFICIAL[f"{_s}_hc.{_p}"] = f"hc_{_s}_{_p}"
+
+
+def _fp4(w, rng):
+    """Replace w [out, in] by FP4-representable values; return (packed int8, e8m0 scales, w)."""
+    codes = rng.integers(0, 16, size=w.shape)
+    exps = rng.integers(-6, -2, size=(w.shape[0], w.shape[1] // 32))
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    value = (table[codes] * np.repeat(2.0 ** exps, 32, axis=1)).astype(np.float32)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8).view(np.int8)
+    return packed, (2.0 ** exps).astype(ml_dtypes.float8_e8m0fnu), value
+
+
+def test_deepseek_release_layout_with_fp4_experts(tmp_path):
+    cfg = load_config("deepseek4-smoke", dict(OVER, base_moe_mlp_dim=64))
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    tensors = hf.to_hf_tensors(model)
+    rng = np.random.default_rng(0)
+    official = {}
+    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           "model.norm.weight": "norm.weight"}
+    for name, value in tensors.items():
+        m = re.fullmatch(r"(model\.layers\.\d+|mtp\.0)\.(.*)", name)
+        prefix, rest = (m.group(1).removeprefix("model."), m.group(2)) if m else (None, None)
+        if rest == "mlp.experts.gate_up_proj":  # per expert, in FP4
+            f_ = value.shape[1] // 2
+            for e in range(value.shape[0]):
+                for w, rows in (("w1", slice(0, f_)), ("w3", slice(f_, None))):
+                    packed, scale, exact = _fp4(value[e, rows], rng)
+                    official[f"{prefix}.ffn.experts.{e}.{w}.weight"] = packed
+                    official[f"{prefix}.ffn.experts.{e}.{w}.scale"] = scale
+                    value[e, rows] = exact  # what the import must reproduce
+        elif rest == "mlp.experts.down_proj":
+            for e in range(value.shape[0]):
+                official[f"{prefix}.ffn.experts.{e}.w2.weight"] = value[e]
+        elif rest in OFFICIAL:
+            official[f"{prefix}.{OFFICIAL[rest]}"] = value
+        elif name in top:
+            official[top[name]] = value
+        elif "hc_head.hc_" in name:
+            official[name.replace("model.", "").replace("hc_head.hc_", "hc_head_")] = value
+        else:  # mtp.0.e_proj / h_proj / enorm / hnorm / norm keep their names
+            official[name] = value
+    (tmp_path / "ds").mkdir()
+    st.save(official, tmp_path / "ds" / "model.safetensors")
+    args = dict(vocab_size=256, dim=64, moe_inter_dim=64, n_layers=4, n_hash_layers=2, n_heads=4,
+                n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
+                score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=0.0, q_lora_rank=32,
+                head_dim=16, rope_head_dim=8, o_groups=2, o_lora_rank=32, window_size=16,
+                original_seq_len=65536, rope_theta=10000.0, rope_factor=1, beta_fast=32,
+                beta_slow=1, index_n_heads=2, index_head_dim=16, index_topk=4, hc_mult=4,
+                hc_sinkhorn_iters=20, compress_rope_theta=160000.0,
+                compress_ratios=[0, 0, 4, 8, 0], n_mtp_layers=1)
+    (tmp_path / "ds" / "config.json").write_text(json.dumps(args))
+    cfg2, model2 = hf.load(tmp_path / "ds", max_target_length=16)
+    assert cfg2.base_num_decoder_layers == 4 and cfg2.first_num_hash_layers == 2
+    got = hf.to_hf_tensors(model2)
+    assert sorted(got) == sorted(tensors)
+    for name in tensors:
+        np.testing.assert_array_equal(got[name], tensors[name], err_msg=name)

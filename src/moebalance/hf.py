@@ -12,8 +12,10 @@ Quantised tensors are dequantised on import, by their stored dtype:
     FP8 e4m3 weight + `<name>_scale_inv` (or `<module>.scale`): W = w * S[o // 128, i // 128]
     FP4 e2m1 packed in int8 (two per byte, low nibble first) + a scale per 32 inputs:
         W[o, i] = E2M1[nibble(o, i)] * S[o, i // 32]
-Scales may be float32 or ue8m0 (F8_E8M0, 2^(u-127)). DeepSeek's own naming (layers.N.attn.wq_a,
-per-expert tensors) is not read yet: convert it with transformers first.
+Scales may be float32 or ue8m0 (F8_E8M0, 2^(u-127)). DeepSeek's own release layout (its
+inference config.json with `dim`, `n_layers`, ...; tensors `layers.N.attn.wq_a.weight` + `.scale`,
+one tensor per routed expert in FP4) is read too: `official_to_hf` renames it to the HF layout
+(stacking the experts) before the import.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -52,6 +55,124 @@ _HF_KEYS = {  # HF config key -> our key
 }
 _YARN = {"factor": "rope_factor", "original_max_position_embeddings":
          "original_max_position_embeddings", "beta_fast": "beta_fast", "beta_slow": "beta_slow"}
+
+
+_OFFICIAL_KEYS = {  # DeepSeek's inference config.json (ModelArgs) -> HF key
+    "vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads", "head_dim": "head_dim", "rope_head_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+    "window_size": "sliding_window", "compress_ratios": "compress_ratios",
+    "rope_theta": "rope_theta", "compress_rope_theta": "compress_rope_theta",
+    "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk", "hc_mult": "hc_mult", "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "n_routed_experts": "n_routed_experts", "n_activated_experts": "num_experts_per_tok",
+    "moe_inter_dim": "moe_intermediate_size", "n_shared_experts": "n_shared_experts",
+    "score_func": "scoring_func", "route_scale": "routed_scaling_factor",
+    "swiglu_limit": "swiglu_limit", "n_hash_layers": "num_hash_layers",
+}
+
+
+def official_config_to_hf(cfg: dict) -> dict:
+    """DeepSeek's ModelArgs JSON -> HF config keys (ModelArgs defaults: 1 MTP layer, eps 1e-6)."""
+    out = {hf: cfg[key] for key, hf in _OFFICIAL_KEYS.items() if key in cfg}
+    out["num_nextn_predict_layers"] = cfg.get("n_mtp_layers", 1)
+    out["num_key_value_heads"] = 1
+    if cfg.get("rope_factor", 1) > 1:
+        out["rope_scaling"] = {"type": "yarn", "factor": cfg["rope_factor"],
+                               "original_max_position_embeddings": cfg["original_seq_len"],
+                               "beta_fast": cfg["beta_fast"], "beta_slow": cfg["beta_slow"]}
+    return out
+
+
+_OFFICIAL_BLOCK = [  # (regex on the name inside a block, replacement)
+    (r"attn_norm\.weight", "input_layernorm.weight"),
+    (r"ffn_norm\.weight", "post_attention_layernorm.weight"),
+    (r"hc_(attn|ffn)_(fn|base|scale)", r"\1_hc.\2"),
+    (r"attn\.attn_sink", "self_attn.sinks"),
+    (r"attn\.indexer\.compressor\.(.*)", r"self_attn.compressor.indexer.C.\1"),
+    (r"attn\.indexer\.weights_proj\.(.*)", r"self_attn.compressor.indexer.scorer.weights_proj.\1"),
+    (r"attn\.indexer\.wq_b\.(.*)", r"self_attn.compressor.indexer.q_b_proj.\1"),
+    (r"attn\.compressor\.(.*)", r"self_attn.compressor.C.\1"),
+    (r"attn\.(wq_a|q_norm|wq_b|wkv|kv_norm|wo_a|wo_b)\.(.*)", r"self_attn.P.\1.\2"),
+    (r"ffn\.gate\.bias", "mlp.gate.e_score_correction_bias"),
+    (r"ffn\.gate\.(weight|tid2eid)", r"mlp.gate.\1"),
+    (r"ffn\.shared_experts\.(w[123])\.(.*)", r"mlp.shared_experts.S.\1.\2"),
+]
+_PROJ = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wkv": "kv_proj",
+         "kv_norm": "kv_norm", "wo_a": "o_a_proj", "wo_b": "o_b_proj"}
+_COMPRESSOR = {"ape": "position_bias", "norm.weight": "kv_norm.weight", "wkv.weight":
+               "kv_proj.weight", "wgate.weight": "gate_proj.weight"}
+_SHARED = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_OFFICIAL_TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+                 "norm.weight": "model.norm.weight"}
+
+
+def _official_block_name(rest: str) -> str | None:
+    for pattern, repl in _OFFICIAL_BLOCK:
+        if re.fullmatch(pattern, rest):
+            name = re.sub(pattern, repl, rest)
+            break
+    else:
+        return None
+    if ".C." in name:  # compressor parts
+        head, part = name.split(".C.")
+        name = f"{head}.{_COMPRESSOR.get(part, part)}"
+    elif ".P." in name:  # attention projections
+        head, part = name.split(".P.")
+        proj, _, tail = part.partition(".")
+        name = f"{head}.{_PROJ[proj]}.{tail}"
+    elif ".S." in name:  # shared experts
+        head, part = name.split(".S.")
+        w, _, tail = part.partition(".")
+        name = f"{head}.{_SHARED[w]}.{tail}"
+    if name.endswith(".scale") and not name.endswith("hc.scale"):
+        name = name[: -len(".scale")] + ".weight_scale_inv"
+    return name
+
+
+def official_to_hf(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Rename DeepSeek's release tensors to the HF layout; per-expert w1/w3/w2 (and their scales)
+    are stacked into gate_up_proj [E, 2F, .] and down_proj [E, D, .]. Unknown names are kept, so
+    the import reports them."""
+    out, experts = {}, {}
+    for name, value in tensors.items():
+        m = re.fullmatch(r"(layers\.\d+|mtp\.0)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)",
+                         name)
+        if m:
+            prefix, e, w, kind = m.groups()
+            experts.setdefault((prefix, w, kind), {})[int(e)] = value
+            continue
+        if name in _OFFICIAL_TOP:
+            out[_OFFICIAL_TOP[name]] = value
+            continue
+        m = re.fullmatch(r"(mtp\.0\.)?hc_head_(fn|base|scale)", name)
+        if m:
+            out[f"{'mtp.0' if m.group(1) else 'model'}.hc_head.hc_{m.group(2)}"] = value
+            continue
+        m = re.fullmatch(r"(layers\.\d+|mtp\.0)\.(.*)", name)
+        block = _official_block_name(m.group(2)) if m else None
+        if block is not None:
+            prefix = "model." + m.group(1) if m.group(1).startswith("layers") else m.group(1)
+            out[f"{prefix}.{block}"] = value
+        elif m and m.group(1) == "mtp.0" and m.group(2).split(".")[0] in (
+                "e_proj", "h_proj", "enorm", "hnorm", "norm"):
+            rest = m.group(2)
+            out["mtp.0." + (rest[: -len(".scale")] + ".weight_scale_inv"
+                            if rest.endswith(".scale") else rest)] = value
+        else:
+            out[name] = value
+    for (prefix, w, kind), by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        base = ("model." + prefix if prefix.startswith("layers") else prefix) + ".mlp.experts."
+        suffix = "" if kind == "weight" else "_scale_inv"
+        if w == "w2":
+            out[base + "down_proj" + suffix] = stacked
+        else:
+            out.setdefault(("fuse", base + "gate_up_proj" + suffix), {})[w] = stacked
+    for key in [k for k in out if isinstance(k, tuple)]:
+        parts = out.pop(key)
+        out[key[1]] = np.concatenate([parts["w1"], parts["w3"]], axis=1)
+    return out
 
 
 def config_to_hf(cfg: Config) -> dict:
@@ -299,9 +420,14 @@ def load(path, **overrides) -> tuple[Config, DeepSeekV4]:
     config raises an error naming the first such tensor."""
     path = Path(path)
     raw_config = json.loads((path / "config.json").read_text())
+    tensors = _read_tensors(path)
+    if "embed.weight" in tensors:  # DeepSeek's own release layout
+        tensors = official_to_hf(tensors)
+        if "dim" in raw_config:
+            raw_config = {**official_config_to_hf(raw_config),
+                          "quantization_config": raw_config.get("quantization_config")}
     config = config_from_hf(raw_config, **overrides)
     block = (raw_config.get("quantization_config") or {}).get("weight_block_size", [128])[0]
-    tensors = _read_tensors(path)
     tables = [np.asarray(tensors.get(f"model.layers.{i}.mlp.gate.tid2eid"))
               for i in range(config.first_num_hash_layers)]
     for i, t in enumerate(tables):
