@@ -82,6 +82,29 @@ class Config:
     scan_layers: bool = _key(True, "run repeated blocks under a scan (fast compile)")
     remat_policy: str = _key("none", "rematerialise blocks in the backward pass: none | full")
     max_target_length: int = _key(256, "training sequence length S")
+    # --- load balancing (applied by the trainer) ---
+    routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")
+    routed_bias_update_rate: float = _key(1e-3, "bias step size (gamma); 0 freezes the bias")
+    routed_bias_update_rule: str = _key("sign", "sign | proportional | fraction | quantile")
+    routed_bias_freeze_step: int = _key(-1, "bias rate becomes 0 from this step on (-1: never)")
+    load_balance_loss_weight: float = _key(0.0, "weight of the sequence-wise balance loss")
+    sequence_loss_mode: str = _key("deepseek", "sequence loss: deepseek (paper) | maxtext")
+    global_balance_loss_weight: float = _key(0.0, "weight of the global-batch (Switch) loss")
+    router_z_loss_weight: float = _key(0.0, "weight of the router z-loss")
+    # --- training ---
+    steps: int = _key(20, "optimizer steps")
+    per_device_batch_size: int = _key(1, "sequences per device per micro-batch")
+    gradient_accumulation_steps: int = _key(1, "micro-batches per optimizer step")
+    learning_rate: float = _key(3e-4, "peak learning rate")
+    warmup_steps_fraction: float = _key(0.1, "share of the steps spent warming up linearly")
+    cosine_learning_rate_final_fraction: float = _key(0.1, "final lr / peak lr of the cosine")
+    adam_b1: float = _key(0.9, "AdamW beta1")
+    adam_b2: float = _key(0.95, "AdamW beta2")
+    adam_eps: float = _key(1e-8, "AdamW epsilon")
+    adam_weight_decay: float = _key(0.1, "AdamW decoupled weight decay (not on norms, scales)")
+    gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
+    dataset_type: str = _key("synthetic", "synthetic | text")
+    seed: int = _key(0, "seed of the initial weights and the data order")
 
     def __post_init__(self):
         validate(self)
@@ -141,6 +164,23 @@ def validate(c: Config) -> None:
 
     _require(c.hash_table in HASH_TABLES, "hash_table",
              f"unknown method {c.hash_table!r}; choose one of {sorted(HASH_TABLES)}")
+    from moebalance.balancing import BIAS_RULES
+
+    rules = (*BIAS_RULES, "quantile")
+    _require(c.routed_bias_update_rule in rules, "routed_bias_update_rule",
+             f"unknown rule {c.routed_bias_update_rule!r}; choose one of {rules}")
+    for key in ("routed_bias_update_rate", "load_balance_loss_weight",
+                "global_balance_loss_weight", "router_z_loss_weight", "learning_rate",
+                "adam_weight_decay", "gradient_clipping_threshold"):
+        _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
+    _require(c.sequence_loss_mode in ("deepseek", "maxtext"), "sequence_loss_mode",
+             f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
+    _require(c.dataset_type in ("synthetic", "text"), "dataset_type",
+             f"must be 'synthetic' or 'text', got {c.dataset_type!r}")
+    for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps"):
+        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
+    _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
+             f"must be in [0, 1), got {c.warmup_steps_fraction}")
     try:
         c.moe_config()
     except (ValueError, TypeError) as err:

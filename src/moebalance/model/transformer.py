@@ -138,11 +138,14 @@ class Stack(nnx.Module):
         self.units = nnx.merge(graphdef, stacked)
 
     def __call__(self, h, token_ids, positions, mask):
-        @nnx.scan(in_axes=(nnx.Carry, 0, None, None, None), out_axes=(nnx.Carry, 0))
-        def body(h, unit, token_ids, positions, mask):
-            return unit(h, token_ids, positions, mask)
+        # A plain lax.scan over the split state: unlike nnx.scan it does not mind variables
+        # traced at different levels (parameters under grad, the rest closed over).
+        graphdef, state = nnx.split(self.units)
 
-        h, records = body(h, self.units, token_ids, positions, mask)  # [n][period] records
+        def body(h, unit_state):
+            return nnx.merge(graphdef, unit_state)(h, token_ids, positions, mask)
+
+        h, records = jax.lax.scan(body, h, state)  # [n][period] records
         # interleave to block order: unit 0's blocks, unit 1's blocks, ...
         stacked = jax.tree.map(lambda *r: jnp.stack(r, axis=1), *records)  # [n, period, ...]
         per_layer = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stacked)
@@ -260,3 +263,35 @@ def parameter_counts(cfg: Config) -> dict[str, int]:
         if path == ("embed",):
             inactive += size
     return {"total": total, "active": int(round(total - inactive)), "mtp": mtp}
+
+
+def _bias_slots(model: DeepSeekV4):
+    """(layer, RouterBias variable, index into its stacked leading axis or None) per top-k block."""
+    for seg, (start, period, repeats) in zip(model.segments, model.layout):
+        if repeats == 1:
+            if seg.ffn.bias is not None:
+                yield start, seg.ffn.bias, None
+            continue
+        for b, block in enumerate(seg.units.blocks):
+            if block.ffn.bias is not None:
+                for r in range(repeats):
+                    yield start + r * period + b, block.ffn.bias, r
+
+
+def routed_layers(model: DeepSeekV4) -> list[int]:
+    """Indices of the top-k routed blocks (those with a bias), in order."""
+    return sorted(layer for layer, _, _ in _bias_slots(model))
+
+
+def get_biases(model: DeepSeekV4) -> jax.Array:
+    """[L_routed, E] float32 biases of the top-k blocks, in block order."""
+    slots = sorted(_bias_slots(model), key=lambda s: s[0])
+    return jnp.stack([var[...] if r is None else var[...][r] for _, var, r in slots])
+
+
+def set_biases(model: DeepSeekV4, biases: jax.Array) -> None:
+    """Write [L_routed, E] biases back (the inverse of get_biases); works under jit."""
+    slots = sorted(_bias_slots(model), key=lambda s: s[0])
+    for row, (_, var, r) in enumerate(slots):
+        value = biases[row].astype(jnp.float32)
+        var[...] = value if r is None else var[...].at[r].set(value)

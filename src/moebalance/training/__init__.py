@@ -1,0 +1,1 @@
+"""Training: the train step, data, checkpoints and the loop."""

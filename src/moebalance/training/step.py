@@ -1,0 +1,157 @@
+"""The jitted training step: losses, gradients over micro-batches, AdamW, then the bias update.
+
+    for each micro-batch a:       loss_a, grads_a, counts_a = value_and_grad(loss)(params, batch_a)
+    grads = mean_a grads_a;        counts = sum_a counts_a        (exact int32, whole global batch)
+    params <- AdamW(clip(grads))  (warm-up + cosine; no decay on norms, scales, biases)
+    bias   <- rule(bias, counts)  for every top-k routed block, AFTER the optimizer step; hash
+                                  blocks have no bias; the optimizer never sees it (wrt=nnx.Param)
+
+Loss = CE (+ mtp_loss_scaling_factor * MTP CE) + the configured balance losses, each computed once
+from the model's routing records and logged apart. Balance losses are summed over the top-k routed
+blocks (DeepSeek applies alpha per layer); mode 'maxtext' averages them over blocks, as MaxText does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from moebalance import balancing
+from moebalance.config import Config
+from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
+
+NO_DECAY = ("weight", "scale", "base", "attn_sink", "ape")  # norms, hc scales/biases, sinks
+
+
+def lr_schedule(cfg: Config) -> optax.Schedule:
+    warmup = int(cfg.warmup_steps_fraction * cfg.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.learning_rate, peak_value=cfg.learning_rate,
+        warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
+        end_value=cfg.learning_rate * cfg.cosine_learning_rate_final_fraction,
+    )
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
+
+    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                        weight_decay=cfg.adam_weight_decay, mask=decay_mask)
+    if cfg.gradient_clipping_threshold > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
+    return adamw
+
+
+def _masked_ce(logits, targets, mask):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
+    """tokens [B, S+1]; mask, segment_ids [B, S] (for the inputs). -> (total, aux dict)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mtp = cfg.mtp_num_layers > 0
+    out = model(inputs, mask=mask, mtp_tokens=targets if mtp else None)
+    m = mask.astype(jnp.float32)
+    aux = {"ce": _masked_ce(out.logits, targets, m)}
+    total = aux["ce"]
+    if mtp:  # position t predicts token t+2
+        aux["mtp"] = _masked_ce(out.mtp_logits[:, :-1], tokens[:, 2:], m[:, :-1] * m[:, 1:])
+        total = total + cfg.mtp_loss_scaling_factor * aux["mtp"]
+    rec = out.routing
+    idx = jnp.asarray(routed, jnp.int32)
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    if cfg.load_balance_loss_weight > 0:
+        if cfg.sequence_loss_mode == "maxtext":
+            per_layer = jax.vmap(lambda s, b, i: balancing.sequence_balance_loss(
+                s, e, k, mode="maxtext", bias=b, indices=i))(
+                rec.scores[idx], get_biases(model), rec.indices[idx])
+            aux["sequence_loss"] = per_layer.mean()
+        else:
+            aux["sequence_loss"] = jax.vmap(lambda s: balancing.sequence_balance_loss(
+                s, e, k, segment_ids=segment_ids, mask=mask))(rec.scores[idx]).sum()
+        total = total + cfg.load_balance_loss_weight * aux["sequence_loss"]
+    if cfg.global_balance_loss_weight > 0:
+        aux["global_loss"] = jax.vmap(lambda s, c: balancing.global_balance_loss(
+            s, e, k, mask=mask, counts=c))(rec.scores[idx], rec.counts[idx]).sum()
+        total = total + cfg.global_balance_loss_weight * aux["global_loss"]
+    if cfg.router_z_loss_weight > 0:
+        aux["z_loss"] = jax.vmap(lambda z: balancing.z_loss(z, mask))(rec.logits).sum()
+        total = total + cfg.router_z_loss_weight * aux["z_loss"]
+    aux["counts"] = rec.counts  # [L, E] int32, every block
+    if cfg.routed_bias_update_rule == "quantile":
+        aux["scores"] = rec.scores[idx]  # [L_routed, B, S, E]
+    return total, aux
+
+
+def bias_rate(cfg: Config, step):
+    if not cfg.routed_bias:
+        return jnp.float32(0.0)
+    freeze = cfg.routed_bias_freeze_step if cfg.routed_bias_freeze_step >= 0 else None
+    return balancing.rate_schedule(cfg.routed_bias_update_rate, freeze)(step)
+
+
+def make_train_step(cfg: Config, model: DeepSeekV4):
+    """-> step(model, optimizer, tokens [A, B, S+1], mask [A, B, S], segment_ids [A, B, S])
+    returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E])."""
+    routed = routed_layers(model)
+
+    @nnx.jit
+    def step(model, optimizer, tokens, mask, segment_ids):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_of(params, tok, msk, seg):
+            return losses(cfg, nnx.merge(graphdef, params, rest), tok, msk, seg, routed)
+
+        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+        def micro(acc, batch):
+            (loss, aux), grads = grad_fn(params, *batch)
+            grads_sum, loss_sum = acc
+            return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss), aux
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss), aux = jax.lax.scan(micro, (zeros, jnp.float32(0.0)),
+                                          (tokens, mask, segment_ids))
+        micro_batches = tokens.shape[0]
+        grads = jax.tree.map(lambda g: g / micro_batches, grads)
+        counts = aux.pop("counts").sum(0)  # [L, E] exact int32 over the whole step
+        scores = aux.pop("scores", None)
+        metrics = {name: value.mean() for name, value in aux.items()}
+        metrics.update(loss=loss / micro_batches, grad_norm=optax.global_norm(grads),
+                       lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
+        rate = bias_rate(cfg, optimizer.step[...])
+        optimizer.update(model, grads)
+        if routed:
+            biases = get_biases(model)
+            if cfg.routed_bias_update_rule == "quantile":
+                flat = scores.swapaxes(0, 1).reshape(len(routed), -1, cfg.num_experts)
+                valid = mask.reshape(-1)
+                new = jax.vmap(lambda s, b: balancing.quantile_bias(
+                    s, b, cfg.num_experts_per_tok, mask=valid))(flat, biases)
+                new = jnp.where(rate > 0, new, biases)
+            else:
+                new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
+                                            rule=cfg.routed_bias_update_rule, rate=rate)
+            set_biases(model, new)
+            metrics["bias"] = new
+        return metrics
+
+    return step
+
+
+def make_eval_step(cfg: Config, model: DeepSeekV4):
+    """-> step(model, tokens [B, S+1], mask [B, S]) -> {ce, counts}; never touches the bias."""
+
+    @nnx.jit
+    def step(model, tokens, mask):
+        out = model(tokens[:, :-1], mask=mask)
+        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])
+        m = mask.astype(jnp.float32)
+        return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+
+    return step
