@@ -34,11 +34,13 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     )
 
 
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    def decay_mask(params):
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
+def decay_mask(params):
+    """True for parameters that get weight decay: not norms, hc scales/biases, sinks, ape."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
 
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     adamw = optax.adamw(lr_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                         weight_decay=cfg.adam_weight_decay, mask=decay_mask)
     if cfg.gradient_clipping_threshold > 0:
@@ -122,7 +124,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4):
         counts = aux.pop("counts").sum(0)  # [L, E] exact int32 over the whole step
         scores = aux.pop("scores", None)
         metrics = {name: value.mean() for name, value in aux.items()}
-        metrics.update(loss=loss / micro_batches, grad_norm=optax.global_norm(grads),
+        metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
                        lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
         rate = bias_rate(cfg, optimizer.step[...])
         optimizer.update(model, grads)

@@ -1,0 +1,110 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import reference as ref
+from moebalance.config import load_config
+from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
+from moebalance.training.step import (decay_mask, make_eval_step, make_optimizer,
+                                      make_train_step)
+
+BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
+            routed_bias_update_rate=1e-2)
+
+
+def setup(**over):
+    cfg = load_config("deepseek4-smoke", {**BASE, **over})
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    return cfg, model, opt
+
+
+def batch(micro, size, seed=0, seq=16):
+    tokens = jax.random.randint(jax.random.key(seed), (micro, size, seq + 1), 0, 256)
+    return tokens, jnp.ones((micro, size, seq), bool), jnp.zeros((micro, size, seq), jnp.int32)
+
+
+def test_bias_update_uses_counts_of_every_micro_batch():
+    cfg, model, opt = setup(gradient_accumulation_steps=3)
+    tokens, mask, seg = batch(3, 2)
+    before = np.asarray(get_biases(model))
+    # brute-force recount: every micro-batch through the model before the step
+    forward = nnx.jit(lambda m, t: m(t).routing.counts)
+    recount = sum(np.asarray(forward(model, tokens[a, :, :-1])) for a in range(3))
+    metrics = make_train_step(cfg, model)(model, opt, tokens, mask, seg)
+    np.testing.assert_array_equal(metrics["counts"], recount)
+    assert metrics["counts"].dtype == jnp.int32
+    assert (recount.sum(1) == 3 * 2 * 16 * cfg.num_experts_per_tok).all()
+    routed = routed_layers(model)
+    assert routed == [2, 3]  # the two hash blocks have no bias to update
+    want = np.stack([ref.update_bias(before[i], recount[layer], "sign", 1e-2)
+                     for i, layer in enumerate(routed)])
+    np.testing.assert_allclose(get_biases(model), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(metrics["bias"], want, rtol=1e-6, atol=1e-7)
+    assert get_biases(model).dtype == jnp.float32
+    # evaluation reports every block's counts and never touches the bias
+    out = make_eval_step(cfg, model)(model, tokens[0], mask[0])
+    np.testing.assert_array_equal(get_biases(model), want.astype(np.float32))
+    assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+    tokens, mask, seg = batch(2, 1)
+    cfg_a, model_a, opt_a = setup(gradient_accumulation_steps=2)
+    cfg_b, model_b, opt_b = setup()
+    ma = make_train_step(cfg_a, model_a)(model_a, opt_a, tokens, mask, seg)
+    mb = make_train_step(cfg_b, model_b)(model_b, opt_b, tokens.reshape(1, 2, -1),
+                                         mask.reshape(1, 2, -1), seg.reshape(1, 2, -1))
+    np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
+    np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"], rtol=1e-4)
+    np.testing.assert_array_equal(ma["counts"], mb["counts"])
+    pa = nnx.to_flat_state(nnx.state(model_a, nnx.Param))
+    pb = dict(nnx.to_flat_state(nnx.state(model_b, nnx.Param)))
+    for path, var in pa:
+        np.testing.assert_allclose(var[...], pb[path][...], rtol=1e-4, atol=1e-6,
+                                   err_msg=str(path))
+
+
+def test_bias_freezes_and_the_optimizer_never_moves_it():
+    cfg, model, opt = setup(routed_bias_freeze_step=2)
+    tokens, mask, seg = batch(1, 2)
+    step = make_train_step(cfg, model)
+    biases, routers = [], []
+    for _ in range(4):
+        step(model, opt, tokens, mask, seg)
+        biases.append(np.asarray(get_biases(model)))
+        routers.append(np.asarray(model.segments[-1].ffn.router[...]))
+    assert not np.array_equal(biases[0], biases[1])  # steps 0 and 1 update
+    # from step 2 on the rate is 0: the optimizer keeps training the router, the bias stays
+    np.testing.assert_array_equal(biases[1], biases[2])
+    np.testing.assert_array_equal(biases[2], biases[3])
+    assert not np.array_equal(routers[2], routers[3])
+
+
+def test_quantile_rule_sets_the_bias_from_the_step_scores():
+    cfg, model, opt = setup(routed_bias_update_rule="quantile")
+    tokens, mask, seg = batch(1, 4)
+    out = nnx.jit(lambda m, t: m(t))(model, tokens[0, :, :-1])
+    before = np.asarray(get_biases(model))
+    make_train_step(cfg, model)(model, opt, tokens, mask, seg)
+    for i, layer in enumerate(routed_layers(model)):
+        s = np.asarray(out.routing.scores[layer]).reshape(-1, cfg.num_experts)
+        np.testing.assert_allclose(get_biases(model)[i],
+                                   ref.quantile_bias(s, before[i], cfg.num_experts_per_tok),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_weight_decay_skips_norms_and_scales():
+    cfg = load_config("deepseek4-smoke", dict(adam_weight_decay=0.5, learning_rate=0.1,
+                                              warmup_steps_fraction=0.0))
+    params = {"norm": {"weight": jnp.ones(3)}, "hc": {"scale": jnp.ones(3), "fn": jnp.ones((2, 2))},
+              "attn": {"attn_sink": jnp.ones(2), "wq_a": jnp.ones((2, 2))}}
+    assert decay_mask(params) == {"norm": {"weight": False}, "hc": {"scale": False, "fn": True},
+                                  "attn": {"attn_sink": False, "wq_a": True}}
+    tx = make_optimizer(cfg)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero, tx.init(params), params)  # zero gradients: only decay moves
+    np.testing.assert_array_equal(updates["norm"]["weight"], 0.0)
+    np.testing.assert_allclose(updates["attn"]["wq_a"], -0.1 * 0.5, rtol=1e-6)
