@@ -73,6 +73,16 @@ def _convert(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    """Train a config into a run directory, showing progress and balance as it goes."""
+    from moebalance.config import load_config
+    from moebalance.training.loop import train
+
+    train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite)
+    print(f"run written to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moebalance",
@@ -93,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*", help="key=value overrides")
     params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
     params.set_defaults(func=_params)
+    train = sub.add_parser("train", help="train a config; writes a run directory")
+    train.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
+    train.add_argument("overrides", nargs="*", help="key=value overrides")
+    train.add_argument("--out", required=True, help="the run directory")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in --out")
+    train.set_defaults(func=_train)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "
                              "dequantising FP8/FP4 weights")
     convert.add_argument("src", help="directory with config.json and *.safetensors")
@@ -111,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileExistsError, FileNotFoundError, FloatingPointError,
+            ValueError) as err:
         print(f"moebalance: {err}", file=sys.stderr)
         return 2
 

@@ -103,7 +103,7 @@ class Config:
     adam_eps: float = _key(1e-8, "AdamW epsilon")
     adam_weight_decay: float = _key(0.1, "AdamW decoupled weight decay (not on norms, scales)")
     gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
-    dataset_type: str = _key("synthetic", "synthetic | text")
+    dataset_type: str = _key("synthetic", "synthetic (seeded random tokens)")
     seed: int = _key(0, "seed of the initial weights and the data order")
 
     def __post_init__(self):
@@ -175,8 +175,8 @@ def validate(c: Config) -> None:
         _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
     _require(c.sequence_loss_mode in ("deepseek", "maxtext"), "sequence_loss_mode",
              f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
-    _require(c.dataset_type in ("synthetic", "text"), "dataset_type",
-             f"must be 'synthetic' or 'text', got {c.dataset_type!r}")
+    _require(c.dataset_type == "synthetic", "dataset_type",
+             f"only 'synthetic' exists in this version, got {c.dataset_type!r}")
     for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps"):
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
