@@ -1,6 +1,7 @@
 """Compile time and training-step throughput of a DeepSeek-V4 config (default deepseek4-tiny).
 
-One jitted step = forward, cross-entropy, backward, Adam update. Prints one JSON line per dtype:
+One step = the trainer's jitted step (forward, losses, backward, AdamW, bias update) on synthetic
+tokens. Prints one JSON line per dtype:
 model init time, compile time (first call), mean step time over the next `--steps` calls and
 tokens/s.
 
@@ -15,44 +16,36 @@ import json
 import time
 
 import jax
-import optax
 from flax import nnx
 
 from moebalance.config import load_config
 from moebalance.model.transformer import DeepSeekV4
+from moebalance.training.loop import synthetic_batch
+from moebalance.training.step import make_optimizer, make_train_step
 
 
 def bench(config, overrides, batch, seq, steps, dtype):
-    cfg = load_config(config, [*overrides, f"dtype={dtype}", f"max_target_length={seq}"])
+    cfg = load_config(config, [*overrides, f"dtype={dtype}", f"max_target_length={seq}",
+                               f"per_device_batch_size={batch // jax.device_count()}"])
     start = time.perf_counter()
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
     init_s = time.perf_counter() - start
-    opt = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-    tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab_size)
-
-    @nnx.jit
-    def step(model, opt, tokens):
-        def loss_fn(model):
-            logits = model(tokens[:, :-1]).logits
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    step = make_train_step(cfg, model)
+    data = synthetic_batch(cfg, 0)
     start = time.perf_counter()
-    jax.block_until_ready(step(model, opt, tokens))
+    jax.block_until_ready(step(model, optimizer, *data))
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
-        loss = step(model, opt, tokens)
-    jax.block_until_ready(loss)
+        metrics = step(model, optimizer, *data)
+    jax.block_until_ready(metrics)
     step_s = (time.perf_counter() - start) / steps
     return {
         "config": config, "layers": cfg.base_num_decoder_layers, "dtype": dtype,
         "batch": batch, "seq": seq, "init_s": round(init_s, 2),
         "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
-        "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(loss), 4),
+        "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(metrics["loss"]), 4),
         "backend": jax.default_backend(),
     }
 

@@ -1,7 +1,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -11,6 +10,7 @@ from moebalance.model import layers
 from moebalance.model.attention import Attention, Compressor
 from moebalance.model.hyper import HyperConnection, sinkhorn
 from moebalance.model.transformer import DeepSeekV4, attention_dims, parameter_counts
+from moebalance.training.step import make_optimizer, make_train_step
 
 RNG = np.random.default_rng(0)
 
@@ -173,22 +173,14 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
 
 
 def test_tiny_config_trains_on_a_fixed_batch():
-    cfg = load_config("deepseek4-tiny", dict(max_target_length=32))
+    cfg = load_config("deepseek4-tiny", dict(max_target_length=32, steps=8, learning_rate=3e-3,
+                                             warmup_steps_fraction=0.0))
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-    tokens = jax.random.randint(jax.random.key(0), (2, 33), 0, 1000)
-
-    @nnx.jit
-    def step(model, opt, tokens):
-        def loss_fn(model):
-            logits = model(tokens[:, :-1]).logits
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, tokens)) for _ in range(8)]
+    opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    step = make_train_step(cfg, model)
+    tokens = jax.random.randint(jax.random.key(0), (1, 2, 33), 0, 1000)
+    mask, seg = jnp.ones((1, 2, 32), bool), jnp.zeros((1, 2, 32), jnp.int32)
+    losses = [float(step(model, opt, tokens, mask, seg)["ce"]) for _ in range(8)]
     assert losses[0] == pytest.approx(np.log(cfg.vocab_size), rel=0.1)
     assert losses[-1] < 0.7 * losses[0], losses
 
