@@ -1,11 +1,19 @@
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from moebalance.config import load_config
 from moebalance.metrics import STAT_NAMES, load_stats
+from moebalance.model.transformer import DeepSeekV4
+from moebalance.training import checkpoint
 from moebalance.training.loop import RunDirError, train
+from moebalance.training.step import make_optimizer
 
 SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
              load_balance_loss_weight=1e-3, router_z_loss_weight=1e-4)
@@ -25,8 +33,8 @@ def test_run_directory_metrics_and_counts(tmp_path):
             assert {"layer", "routing", *STAT_NAMES} <= set(row)
             assert row["routing"] == ("hash" if row["layer"] < 2 else "topk")
             assert ("bias_std" in row) == (row["routing"] == "topk")
-    shape = json.loads((run / "expert_counts.json").read_text())["shape"]
-    counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(shape)
+    row = json.loads((run / "expert_counts.json").read_text())["row_shape"]
+    counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(-1, *row)
     assert counts.shape == (3, 4, 8)
     assert (counts.sum(-1) == 2 * 16 * 2).all()  # B * S * K per block per step
     # the logged statistics are those of the stored counts
@@ -50,3 +58,45 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
                                           "warmup_steps_fraction": 0.0})
     with pytest.raises(FloatingPointError, match="the loss is"):
         train(cfg, tmp_path / "run", progress=False)
+
+
+def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
+    """Train 40 steps straight; train the same config in a subprocess, interrupt it with SIGINT
+    after its first step, resume it: metrics, counts and the final state are identical."""
+    over = {**SMALL, "steps": 40, "checkpoint_period": 100}
+    cfg = load_config("deepseek4-smoke", over)
+    train(cfg, tmp_path / "a", progress=False)
+    run = tmp_path / "b"
+    args = [sys.executable, "-m", "moebalance.cli", "train", "deepseek4-smoke",
+            *[f"{k}={v}" for k, v in over.items()], "--out", str(run)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read().decode()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 0, output
+    assert "checkpoint saved" in output
+    stopped = len((run / "metrics.jsonl").read_text().splitlines())
+    assert stopped < 40  # really interrupted
+    with pytest.raises(RunDirError, match="--resume"):
+        train(cfg, run, progress=False)
+    train(cfg, run, resume=True, progress=False)
+
+    def logs(path):
+        rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+
+    assert logs(run) == logs(tmp_path / "a")
+    np.testing.assert_array_equal(np.fromfile(run / "expert_counts.i32", np.int32),
+                                  np.fromfile(tmp_path / "a" / "expert_counts.i32", np.int32))
+    states = []
+    for path in (tmp_path / "a", run):
+        model = DeepSeekV4(cfg, rngs=nnx.Rngs(1))  # other init: the restore must overwrite it
+        opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+        mgr = checkpoint.manager(path, 3)
+        assert checkpoint.restore(mgr, model, opt) == 40
+        states.append(nnx.to_flat_state(nnx.state(model)))
+    for (p, va), (_, vb) in zip(*states):
+        np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(p))

@@ -78,7 +78,8 @@ def _train(args) -> int:
     from moebalance.config import load_config
     from moebalance.training.loop import train
 
-    train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite)
+    train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
+          resume=args.resume)
     print(f"run written to {args.out}")
     return 0
 
@@ -107,8 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
     train.add_argument("overrides", nargs="*", help="key=value overrides")
     train.add_argument("--out", required=True, help="the run directory")
-    train.add_argument("--overwrite", action="store_true",
-                       help="replace the run already in --out")
+    mode = train.add_mutually_exclusive_group()
+    mode.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in --out from its latest checkpoint")
     train.set_defaults(func=_train)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "
                              "dequantising FP8/FP4 weights")

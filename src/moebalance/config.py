@@ -105,6 +105,8 @@ class Config:
     gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
     dataset_type: str = _key("synthetic", "synthetic (seeded random tokens)")
     seed: int = _key(0, "seed of the initial weights and the data order")
+    checkpoint_period: int = _key(10, "save a checkpoint every this many steps (and at the end)")
+    max_num_checkpoints_to_keep: int = _key(3, "keep the last N checkpoints")
 
     def __post_init__(self):
         validate(self)
@@ -177,7 +179,8 @@ def validate(c: Config) -> None:
              f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
     _require(c.dataset_type == "synthetic", "dataset_type",
              f"only 'synthetic' exists in this version, got {c.dataset_type!r}")
-    for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps"):
+    for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps",
+                "checkpoint_period", "max_num_checkpoints_to_keep"):
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
              f"must be in [0, 1), got {c.warmup_steps_fraction}")

@@ -5,7 +5,11 @@ A run directory holds:
     metrics.jsonl         one JSON object per step (loss, lr, grad_norm, tokens_per_s, the balance
                           losses, and `layers`: per MoE block its load statistics and bias stats)
     expert_counts.i32     every step's [L, E] int32 counts, appended raw (row-major);
-    expert_counts.json    its shape, so numpy.fromfile(...).reshape(steps, L, E) reads it back
+    expert_counts.json    its row shape [L, E]: numpy.fromfile(...).reshape(-1, L, E) reads it
+    checkpoints/N         Orbax checkpoints after N steps (every checkpoint_period, and at the end)
+
+SIGINT / SIGTERM finish the current step, save a checkpoint and return; `resume=True` continues
+from the latest checkpoint, bit-exactly (the data of a step is a function of the step).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -25,6 +31,7 @@ from flax import nnx
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats
 from moebalance.model.transformer import DeepSeekV4, routed_layers
+from moebalance.training import checkpoint
 from moebalance.training.step import make_optimizer, make_train_step
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json")
@@ -36,13 +43,27 @@ class RunDirError(FileExistsError):
 
 def prepare_run_dir(out: Path, overwrite: bool) -> None:
     """Create `out`; refuse one that already holds a run unless `overwrite` is given."""
-    existing = [f for f in RUN_FILES if (out / f).exists()]
+    existing = [f for f in (*RUN_FILES, "checkpoints") if (out / f).exists()]
     if existing and not overwrite:
-        raise RunDirError(f"{out} already holds a run ({', '.join(existing)}); pass --overwrite "
-                          "to replace it or choose another --out")
+        raise RunDirError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to "
+                          "continue it, --overwrite to replace it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     for f in existing:
-        (out / f).unlink()
+        if f == "checkpoints":
+            shutil.rmtree(out / f)
+        else:
+            (out / f).unlink()
+
+
+def rewind_logs(out: Path, step: int, cfg: Config) -> None:
+    """Drop what steps >= `step` wrote (they ran after the checkpoint being resumed)."""
+    lines = (out / "metrics.jsonl").read_text().splitlines() if (
+        out / "metrics.jsonl").exists() else []
+    kept = [line for line in lines if json.loads(line)["step"] < step]
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    row = cfg.base_num_decoder_layers * cfg.num_experts * 4
+    with open(out / "expert_counts.i32", "ab") as f:
+        f.truncate(step * row)
 
 
 def synthetic_batch(cfg: Config, step: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -69,28 +90,59 @@ def layer_metrics(counts: np.ndarray, biases: np.ndarray | None, routed: list[in
     return out
 
 
-def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = True) -> dict:
+class _StopRequest:
+    """Turns SIGINT/SIGTERM into a flag checked between steps."""
+
+    def __init__(self):
+        self.signal = None
+
+    def __enter__(self):
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
+          progress: bool = True) -> dict:
     """Train `cfg.steps` steps into run directory `out`; returns the last step's record."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     out = Path(out)
-    prepare_run_dir(out, overwrite)
-    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    if resume:
+        saved = Config(**yaml.safe_load((out / "config.yaml").read_text()))
+        if saved != cfg:
+            raise RunDirError(f"{out} was started with another config; resume it with its own "
+                              f"config.yaml")
+    else:
+        prepare_run_dir(out, overwrite)
+        (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        (out / "expert_counts.json").write_text(json.dumps(
+            {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
+    first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
+    if resume:
+        rewind_logs(out, first, cfg)
     step_fn = make_train_step(cfg, model)
     routed = routed_layers(model)
     console = Console()
     tokens_per_step = (cfg.gradient_accumulation_steps * cfg.per_device_batch_size *
                        jax.device_count() * cfg.max_target_length)
     record = {}
-    with Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+    with _StopRequest() as stop, Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
                   disable=not progress) as bar, open(out / "metrics.jsonl", "a") as log, open(
             out / "expert_counts.i32", "ab") as counts_file:
-        task = bar.add_task("train", total=cfg.steps, status="compiling...")
-        for step in range(cfg.steps):
+        task = bar.add_task("train", total=cfg.steps, completed=first, status="compiling...")
+        for step in range(first, cfg.steps):
             start = time.perf_counter()
             metrics = jax.device_get(step_fn(model, optimizer, *synthetic_batch(cfg, step)))
             seconds = time.perf_counter() - start
@@ -110,8 +162,14 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, progress: bool = T
                              or [0.0])
             bar.update(task, advance=1, status=f"loss {record['loss']:.4f}  "
                        f"{record['tokens_per_s']:.0f} tok/s  MaxVio {maxvio:.3f}")
-    (out / "expert_counts.json").write_text(json.dumps(
-        {"dtype": "int32", "shape": [cfg.steps, cfg.base_num_decoder_layers, cfg.num_experts]}))
+            done = step + 1
+            if done % cfg.checkpoint_period == 0 or done == cfg.steps or stop.signal:
+                counts_file.flush()
+                checkpoint.save(checkpoints, done, model, optimizer)
+            if stop.signal:
+                console.print(f"stopped by signal {stop.signal} after step {step}; checkpoint "
+                              f"saved, continue with --resume")
+                return record
     _summary(console, record, routed)
     return record
 
