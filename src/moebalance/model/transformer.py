@@ -6,8 +6,8 @@
     logits = head(norm(hc_head(h)))                      [B, S, V] float32, untied
 
 Blocks differ by compress ratio and routing kind. Runs of a repeating kind pattern (e.g. the
-[128, 4] pairs of V4) are built with `nnx.vmap` and run under `nnx.scan`, so a 43-layer model
-compiles like a handful of blocks; `scan_layers=False` unrolls everything (same maths).
+[128, 4] pairs of V4) have their parameters stacked and run under `jax.lax.scan`, so a 43-layer
+model compiles like a handful of blocks; `scan_layers=False` unrolls everything (same maths).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Unit(nnx.Module):
 
 
 class Stack(nnx.Module):
-    """`repeats` Units with stacked parameters, run under nnx.scan."""
+    """`repeats` Units with stacked parameters, run under jax.lax.scan."""
 
     def __init__(self, cfg: Config, kinds, tables, repeats: int, *, rngs: nnx.Rngs):
         # Built one by one and stacked on the host (not with nnx.vmap) so that initialisation
