@@ -12,7 +12,7 @@ from moebalance.config import load_config
 from moebalance.metrics import STAT_NAMES, load_stats
 from moebalance.model.transformer import DeepSeekV4
 from moebalance.training import checkpoint
-from moebalance.training.loop import RunDirError, train
+from moebalance.training.loop import RunDirError, evaluate, train
 from moebalance.training.step import make_optimizer
 
 SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
@@ -42,6 +42,16 @@ def test_run_directory_metrics_and_counts(tmp_path):
     for row in lines[-1]["layers"]:
         assert row["variance"] == pytest.approx(stats["variance"][row["layer"]])
     assert load_config(str(run / "config.yaml")) == cfg
+    # evaluation: held-out loss, perplexity, MaxVio_global per layer; the run is left as it was
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    result = evaluate(run, batches=2)
+    assert result["step"] == 3 and result["tokens"] == 2 * 2 * 16
+    assert result["perplexity"] == pytest.approx(np.exp(result["loss"]))
+    # random tokens: nothing to learn, so held-out CE stays close to the training CE
+    assert abs(result["loss"] - last["ce"]) < 0.5
+    assert [r["routing"] for r in result["layers"]] == ["hash", "hash", "topk", "topk"]
+    assert all(r["maxvio_global"] >= 0 for r in result["layers"])
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 
 def test_refuses_an_existing_run_before_any_work(tmp_path):

@@ -84,6 +84,28 @@ def _train(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    """Evaluate a run's latest checkpoint on held-out batches; the run is left untouched."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moebalance.training.loop import evaluate
+
+    result = evaluate(args.run_dir, batches=args.batches)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    table = Table(title=f"{args.run_dir} @ step {result['step']}: held-out loss "
+                        f"{result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
+                        f"({result['tokens']} tokens)")
+    for col in ("layer", "routing", "MaxVio_global"):
+        table.add_column(col, justify="right")
+    for row in result["layers"]:
+        table.add_row(str(row["layer"]), row["routing"], f"{row['maxvio_global']:.4f}")
+    Console().print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moebalance",
@@ -113,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --out from its latest checkpoint")
     train.set_defaults(func=_train)
+    evaluate = sub.add_parser("eval", help="held-out loss, perplexity, MaxVio_global of a run")
+    evaluate.add_argument("run_dir")
+    evaluate.add_argument("--batches", type=int, default=4, help="held-out global batches")
+    evaluate.add_argument("--json", action="store_true")
+    evaluate.set_defaults(func=_eval)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "
                              "dequantising FP8/FP4 weights")
     convert.add_argument("src", help="directory with config.json and *.safetensors")

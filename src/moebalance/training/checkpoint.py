@@ -35,7 +35,7 @@ def restore(mgr: ocp.CheckpointManager, model, optimizer) -> int:
     """Load the latest checkpoint into model and optimizer; returns its step."""
     step = mgr.latest_step()
     if step is None:
-        raise FileNotFoundError(f"no checkpoint in {mgr.directory}; cannot resume")
+        raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
     try:
         restored = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_pure(model, optimizer)),

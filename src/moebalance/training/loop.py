@@ -29,10 +29,10 @@ import yaml
 from flax import nnx
 
 from moebalance.config import Config
-from moebalance.metrics import STAT_NAMES, load_stats
+from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global
 from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.training import checkpoint
-from moebalance.training.step import make_optimizer, make_train_step
+from moebalance.training.step import make_eval_step, make_optimizer, make_train_step
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json")
 
@@ -66,11 +66,14 @@ def rewind_logs(out: Path, step: int, cfg: Config) -> None:
         f.truncate(step * row)
 
 
-def synthetic_batch(cfg: Config, step: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Seeded random tokens for `step`: [A, B, S+1], with full masks and one segment per row."""
+def synthetic_batch(cfg: Config, step: int, *, held_out: bool = False):
+    """Seeded random tokens for `step`: [A, B, S+1], with full masks and one segment per row.
+    The held-out stream (evaluation) is drawn from another seed."""
     a, b, s = (cfg.gradient_accumulation_steps, cfg.per_device_batch_size * jax.device_count(),
                cfg.max_target_length)
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    if held_out:
+        key = jax.random.fold_in(jax.random.key(cfg.seed + 1), step)
     tokens = jax.random.randint(key, (a, b, s + 1), 0, cfg.vocab_size, jnp.int32)
     return tokens, jnp.ones((a, b, s), bool), jnp.zeros((a, b, s), jnp.int32)
 
@@ -188,3 +191,33 @@ def _summary(console, record: dict, routed: list[int]) -> None:
                       f"{row['dead_fraction']:.2f}",
                       f"{row['bias_std']:.4f}" if "bias_std" in row else "-")
     console.print(table)
+
+
+def evaluate(run_dir: Path, batches: int = 4) -> dict:
+    """Held-out loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint.
+
+    Counts are accumulated over all evaluation batches before MaxVio is taken; nothing is
+    written to the run and the bias is only read.
+    """
+    run_dir = Path(run_dir)
+    cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
+                              model, optimizer)
+    eval_step = make_eval_step(cfg, model)
+    ce_sum = n_tokens = 0.0
+    counts = []
+    for i in range(batches):
+        tokens, mask, _ = synthetic_batch(cfg, i, held_out=True)
+        for a in range(tokens.shape[0]):
+            out = jax.device_get(eval_step(model, tokens[a], mask[a]))
+            ce_sum += float(out["ce_sum"])
+            n_tokens += float(out["tokens"])
+            counts.append(np.asarray(out["counts"]))
+    loss = ce_sum / n_tokens
+    routed = routed_layers(model)
+    maxvio = maxvio_global(np.stack(counts))
+    return {"step": step, "loss": loss, "perplexity": math.exp(loss), "tokens": int(n_tokens),
+            "layers": [{"layer": i, "routing": "topk" if i in routed else "hash",
+                        "maxvio_global": float(maxvio[i])} for i in range(len(maxvio))]}
