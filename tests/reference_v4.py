@@ -89,11 +89,13 @@ def compressor(x, wkv, wgate, ape, norm_w, ratio, freqs, eps):
     return np.array(out).reshape(-1, d)
 
 
-def visible(t, i, ratio):
-    return t >= (i + 1) * ratio - 1
+def visible(t, i, ratio, seg):
+    """Entry i is complete by t and every token it pools lies in t's segment."""
+    pooled = range(max(0, (i - 1) * ratio) if ratio == 4 else i * ratio, (i + 1) * ratio)
+    return t >= (i + 1) * ratio - 1 and all(seg[u] == seg[t] for u in pooled)
 
 
-def indexer(x, qr, p, ratio, freqs, heads, dim, topk, eps):
+def indexer(x, qr, p, ratio, freqs, heads, dim, topk, eps, seg):
     """-> per query t, the set of compressed entries kept."""
     keys = compressor(x, p["wkv"], p["wgate"], p["ape"], p["norm"], ratio, freqs, eps)
     kept = []
@@ -101,16 +103,17 @@ def indexer(x, qr, p, ratio, freqs, heads, dim, topk, eps):
         q = (qr[t] @ p["wq_b"]).reshape(heads, dim)
         q = np.stack([rope(q[h], t, freqs) for h in range(heads)])
         w = (x[t] @ p["weights_proj"]) / math.sqrt(dim * heads)
-        cand = [i for i in range(len(keys)) if visible(t, i, ratio)]
+        cand = [i for i in range(len(keys)) if visible(t, i, ratio, seg)]
         score = {i: sum(w[h] * max(0.0, float(q[h] @ keys[i])) for h in range(heads)) for i in cand}
         best = sorted(cand, key=lambda i: (-score[i], i))[:topk]
         kept.append(set(best))
     return kept
 
 
-def attention(x, p, c, freqs):
-    """x [S, D] (one sequence), params p, dims c (dict) -> [S, D]."""
+def attention(x, p, c, freqs, seg=None):
+    """x [S, D] (one sequence), params p, dims c (dict), seg [S] segment ids -> [S, D]."""
     s = x.shape[0]
+    seg = np.zeros(s, int) if seg is None else seg
     heads, hd, eps = c["heads"], c["head_dim"], c["eps"]
     qr = c["q_norm"] * rms(x @ p["wq_a"], eps)
     kv = np.stack([rope(v, t, freqs) for t, v in enumerate(c["kv_norm"] * rms(x @ p["wkv"], eps))])
@@ -122,15 +125,15 @@ def attention(x, p, c, freqs):
         ckv = compressor(x, cp["wkv"], cp["wgate"], cp["ape"], cp["norm"], ratio, freqs, eps)
         if ratio == 4:
             kept = indexer(x, qr, p["indexer"], ratio, freqs, c["index_heads"], c["index_head_dim"],
-                           c["index_topk"], eps)
+                           c["index_topk"], eps, seg)
         else:
-            kept = [{i for i in range(len(ckv)) if visible(t, i, ratio)} for t in range(s)]
+            kept = [{i for i in range(len(ckv)) if visible(t, i, ratio, seg)} for t in range(s)]
     out = np.zeros((s, heads, hd))
     for t in range(s):
         q = (qr[t] @ p["wq_b"]).reshape(heads, hd)
         for h in range(heads):
             qh = rope(rms(q[h], eps), t, freqs)
-            keys = [kv[j] for j in range(max(0, t - c["window"] + 1), t + 1)]
+            keys = [kv[j] for j in range(max(0, t - c["window"] + 1), t + 1) if seg[j] == seg[t]]
             keys += [ckv[i] for i in sorted(kept[t])]
             logits = [float(qh @ k) / math.sqrt(hd) for k in keys] + [float(p["attn_sink"][h])]
             probs = softmax(logits)[:-1]

@@ -113,8 +113,9 @@ def _params_of_attention(attn):
     return p
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("ratio", [0, 4, 8])
-def test_attention_matches_reference(ratio):
+def test_attention_matches_reference(ratio, packed):
     cfg = load_config("deepseek4-smoke", dict(index_topk=3, sliding_window_size=6))
     dims = attention_dims(cfg, ratio)
     attn = Attention(dims, nnx.Rngs(2))
@@ -122,13 +123,15 @@ def test_attention_matches_reference(ratio):
     freqs = layers.rope_frequencies(dims.rope_dim, 10000.0)
     s = 26
     x = jnp.asarray(RNG.normal(size=(1, s, dims.emb_dim)), jnp.float32)
-    got = attn(x, jnp.arange(s)[None], freqs)
+    # packed: three documents; boundaries inside and on compressed blocks
+    seg = np.repeat([0, 1, 2], [9, 8, 9]) if packed else np.zeros(s, int)
+    got = attn(x, jnp.arange(s)[None], jnp.asarray(seg)[None], freqs)
     p = _params_of_attention(attn)
     c = dict(heads=dims.heads, head_dim=dims.head_dim, eps=dims.eps, ratio=ratio,
              window=dims.window, o_groups=dims.o_groups, index_heads=dims.index_heads,
              index_head_dim=dims.index_head_dim, index_topk=dims.index_topk,
              q_norm=p["q_norm"], kv_norm=p["kv_norm"])
-    want = ref.attention(f64(x[0]), p, c, freqs)
+    want = ref.attention(f64(x[0]), p, c, freqs, seg)
     np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=2e-5)
 
 

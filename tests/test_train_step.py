@@ -45,7 +45,7 @@ def test_bias_update_uses_counts_of_every_micro_batch():
     np.testing.assert_allclose(metrics["bias"], want, rtol=1e-6, atol=1e-7)
     assert get_biases(model).dtype == jnp.float32
     # evaluation reports every block's counts and never touches the bias
-    out = make_eval_step(cfg, model)(model, tokens[0], mask[0])
+    out = make_eval_step(cfg, model)(model, tokens[0], mask[0], seg[0])
     np.testing.assert_array_equal(get_biases(model), want.astype(np.float32))
     assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
 

@@ -103,7 +103,15 @@ class Config:
     adam_eps: float = _key(1e-8, "AdamW epsilon")
     adam_weight_decay: float = _key(0.1, "AdamW decoupled weight decay (not on norms, scales)")
     gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
-    dataset_type: str = _key("synthetic", "synthetic (seeded random tokens)")
+    dataset_type: str = _key("synthetic", "synthetic (seeded random tokens) | text (local files)")
+    dataset_path: list = _key([], "text files or directories (empty: the Python standard library's "
+                              "sources of the running interpreter)")
+    dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
+    tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
+    tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= vocab_size)")
+    eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation")
+    data_cache_dir: str = _key("", "where tokenizers and token streams are cached "
+                               "('' : $XDG_CACHE_HOME/moebalance or ~/.cache/moebalance)")
     seed: int = _key(0, "seed of the initial weights and the data order")
     checkpoint_period: int = _key(10, "save a checkpoint every this many steps (and at the end)")
     max_num_checkpoints_to_keep: int = _key(3, "keep the last N checkpoints")
@@ -177,8 +185,15 @@ def validate(c: Config) -> None:
         _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
     _require(c.sequence_loss_mode in ("deepseek", "maxtext"), "sequence_loss_mode",
              f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
-    _require(c.dataset_type == "synthetic", "dataset_type",
-             f"only 'synthetic' exists in this version, got {c.dataset_type!r}")
+    _require(c.dataset_type in ("synthetic", "text"), "dataset_type",
+             f"must be 'synthetic' or 'text', got {c.dataset_type!r}")
+    _require(0 < c.eval_fraction < 1, "eval_fraction", f"must be in (0, 1), got {c.eval_fraction}")
+    _require(2 <= c.tokenizer_vocab_size, "tokenizer_vocab_size",
+             f"must be >= 2, got {c.tokenizer_vocab_size}")
+    _require(c.dataset_type != "text" or c.tokenizer_path != ""
+             or c.tokenizer_vocab_size <= c.vocab_size,
+             "tokenizer_vocab_size", f"{c.tokenizer_vocab_size} exceeds the model's "
+             f"vocab_size={c.vocab_size}; lower it or raise vocab_size")
     for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps",
                 "checkpoint_period", "max_num_checkpoints_to_keep"):
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")

@@ -9,7 +9,9 @@ Per layer with compress ratio r (0 = window only):
     out = wo_b(grouped wo_a(inverse-rope(o)))
 
 Causality, exactly: query t sees window keys t-W+1 .. t, and compressed entry i only once every
-token it summarises is in the past or present, i.e. t >= (i+1)*r - 1. On r = 4 layers (CSA) the
+token it summarises is in the past or present, i.e. t >= (i+1)*r - 1. Packed documents: a query
+sees only keys and entries all of whose tokens lie in its own segment (segments are contiguous, so
+an entry qualifies iff the first token it pools does). On r = 4 layers (CSA) the
 lightning indexer keeps the `index_topk` best of those entries per query; on other ratios (HCA,
 r = 128) all visible entries are attended.
 
@@ -61,6 +63,15 @@ def window_mask(num_queries: int, window: int) -> jax.Array:
     t = jnp.arange(num_queries)[:, None]
     j = jnp.arange(num_queries)[None, :]
     return (j <= t) & (j > t - window)
+
+
+def entry_segments(segment_ids: jax.Array, num_entries: int, ratio: int) -> jax.Array:
+    """[B, S] -> [B, n]: the segment of the first token compressed entry i pools (token (i-1)*r
+    for the overlapping r = 4 compressor, whose entry i also pools block i-1; else i*r)."""
+    first = jnp.arange(num_entries) * ratio
+    if ratio == 4:
+        first = jnp.maximum(first - ratio, 0)
+    return segment_ids[:, first]
 
 
 class Compressor(nnx.Module):
@@ -117,8 +128,9 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(dims.emb_dim, dims.index_head_dim, dims.ratio,
                                      dims.rope_dim, dims.eps, rngs)
 
-    def __call__(self, x, qr, cos, sin, freqs) -> jax.Array:
-        """-> [B, S, n] bool: entries each query attends."""
+    def __call__(self, x, qr, cos, sin, freqs, visible) -> jax.Array:
+        """visible [B, S, n] (causality and segments) -> [B, S, n] bool: entries each query
+        attends."""
         c = self.dims
         b, s, _ = x.shape
         q = (qr @ self.wq_b[...].astype(qr.dtype)).reshape(b, s, c.index_heads, c.index_head_dim)
@@ -128,7 +140,6 @@ class Indexer(nnx.Module):
         w = w * (c.index_head_dim * c.index_heads) ** -0.5  # [B, S, h]
         score = jnp.einsum("bshd,bnd->bshn", q, keys)
         score = jnp.einsum("bsh,bshn->bsn", w, jax.nn.relu(score))  # [B, S, n]
-        visible = visible_entries(s, keys.shape[1], c.ratio)[None]
         score = jnp.where(visible, score, -jnp.inf)
         k = min(c.index_topk, keys.shape[1])
         _, top = jax.lax.top_k(score, k)
@@ -154,8 +165,9 @@ class Attention(nnx.Module):
                            if c.ratio else None)
         self.indexer = Indexer(dims, rngs) if c.ratio == 4 else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, freqs) -> jax.Array:
-        """x [B, S, D] (the attention norm's output), positions [B, S] -> [B, S, D]."""
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 freqs) -> jax.Array:
+        """x [B, S, D] (the attention norm's output), positions, segment_ids [B, S] -> [B, S, D]."""
         c = self.dims
         dt = jnp.dtype(c.dtype)
         b, s, _ = x.shape
@@ -167,13 +179,17 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), cos, sin)  # [B, S, hd]
         scale = c.head_dim ** -0.5
         logits = jnp.einsum("bshd,btd->bhst", q, kv.astype(jnp.float32)) * scale
-        logits = jnp.where(window_mask(s, c.window), logits, NEG_INF)  # [B, H, S, S]
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+        visible_keys = window_mask(s, c.window)[None] & same
+        logits = jnp.where(visible_keys[:, None], logits, NEG_INF)  # [B, H, S, S]
         values = [kv.astype(jnp.float32)]
         if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
             ckv = self.compressor(x, freqs)  # [B, n, hd]
-            visible = visible_entries(s, ckv.shape[1], c.ratio)[None]  # [1, S, n]
+            n = ckv.shape[1]
+            visible = visible_entries(s, n, c.ratio)[None] & (
+                segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
             if self.indexer is not None:
-                visible = self.indexer(x, qr, cos, sin, freqs)
+                visible = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, n]
             clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
             logits = jnp.concatenate(
                 [logits, jnp.where(visible[:, None], clogits, NEG_INF)], axis=-1)

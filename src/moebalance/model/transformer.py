@@ -72,19 +72,21 @@ class Block(nnx.Module):
         self.ffn_norm = RMSNorm(d, eps)
         self.ffn = MoE(cfg.moe_config(), hash_table=hash_table, rngs=rngs)
 
-    def forward(self, h, token_ids, positions, mask):
+    def forward(self, h, token_ids, positions, segment_ids, mask):
         """h [B, S, m, D] -> (h [B, S, m, D], RoutingRecord)."""
         y, post, comb = self.attn_hc.pre(h)
-        h = HyperConnection.post(self.attn(self.attn_norm(y), positions, self.freqs), h, post,
+        h = HyperConnection.post(self.attn(self.attn_norm(y), positions, segment_ids,
+                                           self.freqs), h, post,
                                  comb)
         y, post, comb = self.ffn_hc.pre(h)
         out, record = self.ffn(self.ffn_norm(y), token_ids=token_ids, mask=mask)
         return HyperConnection.post(out, h, post, comb), record
 
-    def __call__(self, h, token_ids, positions, mask):
+    def __call__(self, h, token_ids, positions, segment_ids, mask):
         if self.remat:
-            return nnx.remat(lambda blk, *a: blk.forward(*a))(self, h, token_ids, positions, mask)
-        return self.forward(h, token_ids, positions, mask)
+            return nnx.remat(lambda blk, *a: blk.forward(*a))(self, h, token_ids, positions,
+                                                              segment_ids, mask)
+        return self.forward(h, token_ids, positions, segment_ids, mask)
 
 
 def layer_kinds(cfg: Config) -> list[tuple[int, bool]]:
@@ -118,10 +120,10 @@ class Unit(nnx.Module):
         self.blocks = nnx.List([Block(cfg, ratio, table, rngs=rngs)
                                 for (ratio, _), table in zip(kinds, tables)])
 
-    def __call__(self, h, token_ids, positions, mask):
+    def __call__(self, h, token_ids, positions, segment_ids, mask):
         records = []
         for block in self.blocks:
-            h, record = block(h, token_ids, positions, mask)
+            h, record = block(h, token_ids, positions, segment_ids, mask)
             records.append(record)
         return h, records
 
@@ -137,13 +139,13 @@ class Stack(nnx.Module):
         stacked = jax.tree.map(lambda *xs: stack(xs), *[nnx.state(u) for u in units])
         self.units = nnx.merge(graphdef, stacked)
 
-    def __call__(self, h, token_ids, positions, mask):
+    def __call__(self, h, token_ids, positions, segment_ids, mask):
         # A plain lax.scan over the split state: unlike nnx.scan it does not mind variables
         # traced at different levels (parameters under grad, the rest closed over).
         graphdef, state = nnx.split(self.units)
 
         def body(h, unit_state):
-            return nnx.merge(graphdef, unit_state)(h, token_ids, positions, mask)
+            return nnx.merge(graphdef, unit_state)(h, token_ids, positions, segment_ids, mask)
 
         h, records = jax.lax.scan(body, h, state)  # [n][period] records
         # interleave to block order: unit 0's blocks, unit 1's blocks, ...
@@ -211,19 +213,23 @@ class DeepSeekV4(nnx.Module):
     def logits(self, y):
         return y.astype(jnp.float32) @ self.head[...]
 
-    def __call__(self, tokens, *, positions=None, mask=None, mtp_tokens=None) -> ModelOutput:
-        """tokens [B, S] int; positions [B, S] (default 0..S-1); mask [B, S] valid tokens (for
-        the routing counts); mtp_tokens [B, S]: the token after each position (MTP input)."""
+    def __call__(self, tokens, *, positions=None, segment_ids=None, mask=None,
+                 mtp_tokens=None) -> ModelOutput:
+        """tokens [B, S] int; positions [B, S] (default 0..S-1); segment_ids [B, S] (packed
+        documents: attention stays within a segment; default one segment); mask [B, S] valid
+        tokens (for the routing counts); mtp_tokens [B, S]: the token after each position."""
         c = self.config
         routing.check_token_ids(tokens, c.vocab_size)
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+        if segment_ids is None:
+            segment_ids = jnp.zeros((b, s), jnp.int32)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
         h = jnp.broadcast_to(x[:, :, None], (b, s, c.hc_mult, c.base_emb_dim))  # [B, S, m, D]
         records = []
         for seg in self.segments:
-            h, rec = seg(h, tokens, positions, mask)
+            h, rec = seg(h, tokens, positions, segment_ids, mask)
             records.extend(rec if isinstance(rec, list) else [rec])
         stacked = jax.tree.map(lambda *r: jnp.stack(r), *records)
         logits = self.logits(self.norm(self.hc_head(h)))
@@ -235,7 +241,7 @@ class DeepSeekV4(nnx.Module):
         e = mtp.enorm(jnp.take(self.embed[...], mtp_tokens, axis=0).astype(self.dtype))
         hm = (e @ mtp.e_proj[...].astype(self.dtype))[:, :, None] + mtp.hnorm(h) @ mtp.h_proj[
             ...].astype(self.dtype)
-        hm, mtp_record = mtp.block(hm, mtp_tokens, positions, mask)
+        hm, mtp_record = mtp.block(hm, mtp_tokens, positions, segment_ids, mask)
         return ModelOutput(logits, stacked, self.logits(mtp.norm(mtp.hc_head(hm))), mtp_record)
 
 

@@ -209,9 +209,9 @@ def evaluate(run_dir: Path, batches: int = 4) -> dict:
     ce_sum = n_tokens = 0.0
     counts = []
     for i in range(batches):
-        tokens, mask, _ = synthetic_batch(cfg, i, held_out=True)
+        tokens, mask, seg = synthetic_batch(cfg, i, held_out=True)
         for a in range(tokens.shape[0]):
-            out = jax.device_get(eval_step(model, tokens[a], mask[a]))
+            out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
             ce_sum += float(out["ce_sum"])
             n_tokens += float(out["tokens"])
             counts.append(np.asarray(out["counts"]))

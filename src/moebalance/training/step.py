@@ -54,10 +54,13 @@ def _masked_ce(logits, targets, mask):
 
 
 def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
-    """tokens [B, S+1]; mask, segment_ids [B, S] (for the inputs). -> (total, aux dict)."""
+    """tokens [B, S+1]; mask [B, S]: which targets count in the loss (not those that cross a
+    document boundary); segment_ids [B, S]: packed documents. -> (total, aux dict).
+
+    Every input token is routed, counted and balanced (the data has no padding)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     mtp = cfg.mtp_num_layers > 0
-    out = model(inputs, mask=mask, mtp_tokens=targets if mtp else None)
+    out = model(inputs, segment_ids=segment_ids, mtp_tokens=targets if mtp else None)
     m = mask.astype(jnp.float32)
     aux = {"ce": _masked_ce(out.logits, targets, m)}
     total = aux["ce"]
@@ -75,14 +78,14 @@ def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
             aux["sequence_loss"] = per_layer.mean()
         else:
             aux["sequence_loss"] = jax.vmap(lambda s: balancing.sequence_balance_loss(
-                s, e, k, segment_ids=segment_ids, mask=mask))(rec.scores[idx]).sum()
+                s, e, k, segment_ids=segment_ids))(rec.scores[idx]).sum()
         total = total + cfg.load_balance_loss_weight * aux["sequence_loss"]
     if cfg.global_balance_loss_weight > 0:
         aux["global_loss"] = jax.vmap(lambda s, c: balancing.global_balance_loss(
-            s, e, k, mask=mask, counts=c))(rec.scores[idx], rec.counts[idx]).sum()
+            s, e, k, counts=c))(rec.scores[idx], rec.counts[idx]).sum()
         total = total + cfg.global_balance_loss_weight * aux["global_loss"]
     if cfg.router_z_loss_weight > 0:
-        aux["z_loss"] = jax.vmap(lambda z: balancing.z_loss(z, mask))(rec.logits).sum()
+        aux["z_loss"] = jax.vmap(balancing.z_loss)(rec.logits).sum()
         total = total + cfg.router_z_loss_weight * aux["z_loss"]
     aux["counts"] = rec.counts  # [L, E] int32, every block
     if cfg.routed_bias_update_rule == "quantile":
@@ -132,9 +135,8 @@ def make_train_step(cfg: Config, model: DeepSeekV4):
             biases = get_biases(model)
             if cfg.routed_bias_update_rule == "quantile":
                 flat = scores.swapaxes(0, 1).reshape(len(routed), -1, cfg.num_experts)
-                valid = mask.reshape(-1)
                 new = jax.vmap(lambda s, b: balancing.quantile_bias(
-                    s, b, cfg.num_experts_per_tok, mask=valid))(flat, biases)
+                    s, b, cfg.num_experts_per_tok))(flat, biases)
                 new = jnp.where(rate > 0, new, biases)
             else:
                 new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
@@ -147,11 +149,12 @@ def make_train_step(cfg: Config, model: DeepSeekV4):
 
 
 def make_eval_step(cfg: Config, model: DeepSeekV4):
-    """-> step(model, tokens [B, S+1], mask [B, S]) -> {ce, counts}; never touches the bias."""
+    """-> step(model, tokens [B, S+1], mask [B, S], segment_ids [B, S]) -> {ce_sum, tokens,
+    counts}; never touches the bias."""
 
     @nnx.jit
-    def step(model, tokens, mask):
-        out = model(tokens[:, :-1], mask=mask)
+    def step(model, tokens, mask, segment_ids):
+        out = model(tokens[:, :-1], segment_ids=segment_ids)
         ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])
         m = mask.astype(jnp.float32)
         return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}

@@ -1,0 +1,359 @@
+"""Text data: a corpus of local files, a cached byte-level BPE, packed rows, and seeded batches.
+
+The pipeline, each stage cached on disk under `data_cache_dir` so a second run starts at once:
+    1. corpus      every non-empty UTF-8 file matching `dataset_glob` under `dataset_path`
+                   (default: the running interpreter's standard library sources)
+    2. split       each document (file) goes to the training or the held-out split by a stable
+                   hash of its name and the seed, so the split never depends on listing order
+    3. tokenizer   a byte-level BPE trained on the training split only (or `tokenizer_path`)
+    4. streams     per split, every document's ids followed by <|endoftext|>, concatenated (int32)
+    5. rows        stream[r*S : r*S + S + 1]: consecutive rows share one token, so every token is
+                   the target of exactly one input
+    6. batches     rows in a seeded order reshuffled every epoch (Grain), the training split; the
+                   held-out split in stream order. The batch of a step is a function of
+                   (config, step) alone, which makes resuming bit-exact.
+
+On the default corpus (CPython 3.11's 1,790 files, 31.5 MB) with 8,192 tokens, building everything
+takes about a minute on two cores (BPE training ~15 s, encoding ~40 s), so the BPE is trained
+on the whole training split, without a cap. Several processes may build the same cache at once:
+every file is written to a temporary name and renamed into place, and all of them write the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moebalance.config import Config
+
+log = logging.getLogger(__name__)
+
+EOT = "<|endoftext|>"
+CACHE_VERSION = 1  # bump when the tokenizer recipe or the stream layout changes
+EXCLUDED_DIRS = ("site-packages", "dist-packages")  # third-party code inside the stdlib tree
+ENCODE_CHUNK = 256  # documents per encode call: bounds the memory of the Encoding objects
+
+
+class DataError(ValueError):
+    """Text data that cannot be used; the message names the config key and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One text file. `name` is its path relative to its `dataset_path` entry ('/'-separated; the
+    file name for a file given directly): the identity used by the split and the cache keys."""
+
+    name: str
+    path: Path
+
+    def text(self) -> str:
+        return self.path.read_bytes().decode("utf-8")
+
+
+def _read_utf8(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
+    """(name, path) of every file matching the config, valid or not, in no particular order."""
+    if not cfg.dataset_path:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in root.rglob(cfg.dataset_glob):
+            rel = path.relative_to(root)
+            if path.is_file() and not set(rel.parts) & set(EXCLUDED_DIRS):
+                yield rel.as_posix(), path
+        return
+    for entry in sorted(cfg.dataset_path):
+        root = Path(entry).expanduser()
+        if root.is_file():
+            yield root.name, root
+        elif root.is_dir():
+            for path in root.rglob(cfg.dataset_glob):
+                if path.is_file():
+                    yield path.relative_to(root).as_posix(), path
+        else:
+            raise DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing "
+                            "files or directories (or [] for the Python standard library)")
+
+
+def corpus_documents(cfg: Config) -> list[Document]:
+    """The documents of the corpus, sorted by path: files named by `dataset_path` (directories
+    searched recursively for `dataset_glob`), without empty files and files that are not UTF-8.
+    A file reached twice (nested entries, links) counts once."""
+    docs: dict[Path, Document] = {}
+    for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
+        resolved = path.resolve()
+        if resolved not in docs and _read_utf8(path):
+            docs[resolved] = Document(name, path)
+    if not docs:
+        where = cfg.dataset_path or [sysconfig.get_paths()["stdlib"]]
+        raise DataError(f"config keys `dataset_path`/`dataset_glob`: no non-empty UTF-8 file "
+                        f"matches {cfg.dataset_glob!r} in {where}; point dataset_path at text "
+                        "files or directories, or change dataset_glob (e.g. '*.txt')")
+    return sorted(docs.values(), key=lambda d: d.path)
+
+
+def corpus_files(cfg: Config) -> list[Path]:
+    """Paths of `corpus_documents(cfg)`, sorted."""
+    return [doc.path for doc in corpus_documents(cfg)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Train / held-out split
+
+
+def _unit_hash(*parts) -> float:
+    """A stable hash of `parts` (sha256, not Python's salted hash) as a float in [0, 1)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_documents(docs: list[Document], eval_fraction: float, seed: int
+                    ) -> tuple[list[Document], list[Document]]:
+    """(train, held_out), each sorted by path. A document is held out iff
+    sha256(seed, name) / 2**64 < eval_fraction, so the split depends on neither the listing order
+    nor the other documents. Each side gets at least one document: if one side comes out empty,
+    the document whose hash is nearest the threshold moves across."""
+    if len(docs) < 2:
+        raise DataError(f"config key `dataset_path`: the corpus has {len(docs)} document(s); a "
+                        "training and a held-out split need at least 2 files")
+    ranked = sorted(docs, key=lambda d: (_unit_hash(seed, d.name), d.name, d.path))
+    held = sum(_unit_hash(seed, d.name) < eval_fraction for d in ranked)
+    held = min(max(held, 1), len(ranked) - 1)
+
+    def by_path(part: list[Document]) -> list[Document]:
+        return sorted(part, key=lambda d: d.path)
+
+    return by_path(ranked[held:]), by_path(ranked[:held])
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Tokenizer
+
+
+def cache_root(cfg: Config) -> Path:
+    """`data_cache_dir`, else $XDG_CACHE_HOME/moebalance, else ~/.cache/moebalance."""
+    if cfg.data_cache_dir:
+        return Path(cfg.data_cache_dir).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moebalance"
+
+
+def _digest(value) -> str:
+    """A short stable hex key of a JSON-serialisable value."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _fingerprint(docs: list[Document]) -> list:
+    """What identifies a set of documents for caching: sorted (name, size, mtime_ns)."""
+    stats = [(d.name, d.path.stat()) for d in docs]
+    return sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+def _write_atomic(path: Path, write: Callable) -> None:
+    """Write `path` through `write(file)` into a temporary file, then rename it into place, so a
+    reader (or a concurrent writer) never sees a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        try:
+            write(f)
+        except BaseException:
+            os.unlink(f.name)
+            raise
+    os.replace(f.name, path)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of `vocab_size` entries trained on `texts`: every byte is in the initial
+    alphabet (any text is encodable, nothing is unknown), <|endoftext|> is id 0, and the
+    pre-tokenizer adds no prefix space, so decode(encode(text)) == text."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise DataError(f"config key `tokenizer_vocab_size`: a byte-level BPE needs at least "
+                        f"{len(alphabet) + 1} entries (256 bytes + {EOT}), got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
+                                  initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, Path]:
+    """(tokenizer, its cache directory). With `tokenizer_path` that file (the directory is keyed
+    by its content); otherwise the BPE of `train_tokenizer` on `train_docs`, cached in a directory
+    keyed by the training files (names, sizes, mtimes), `tokenizer_vocab_size` and the
+    `tokenizers` version, and trained only when absent. Literal '<|endoftext|>' in a text is
+    encoded as text (`encode_special_tokens`), so only the pipeline places end-of-text ids."""
+    if cfg.tokenizer_path:
+        source = Path(cfg.tokenizer_path).expanduser()
+        if not source.is_file():
+            raise DataError(f"config key `tokenizer_path`: {cfg.tokenizer_path!r} is not a file; "
+                            "give a tokenizer.json or '' to train a byte-level BPE")
+        tokenizer = Tokenizer.from_file(str(source))
+        content = hashlib.sha256(source.read_bytes()).hexdigest()[:20]
+        directory = cache_root(cfg) / f"tokenizer-{content}"
+    else:
+        key = [CACHE_VERSION, _fingerprint(train_docs), cfg.tokenizer_vocab_size,
+               tokenizers.__version__]
+        directory = cache_root(cfg) / f"bpe-{_digest(key)}"
+        path = directory / "tokenizer.json"
+        if not path.exists():
+            size = sum(d.path.stat().st_size for d in train_docs) / 1e6
+            log.info("training a %d-token byte-level BPE on %d files (%.1f MB)",
+                     cfg.tokenizer_vocab_size, len(train_docs), size)
+            trained = train_tokenizer((d.text() for d in train_docs), cfg.tokenizer_vocab_size)
+            _write_atomic(path, lambda f: f.write(trained.to_str().encode()))
+        tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() > cfg.vocab_size:
+        raise DataError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
+                        f"vocab_size is {cfg.vocab_size}; lower `tokenizer_vocab_size` (or pick "
+                        "another `tokenizer_path`) or raise `vocab_size`")
+    if tokenizer.token_to_id(EOT) is None:
+        raise DataError(f"config key `tokenizer_path`: the tokenizer has no {EOT} token; add it "
+                        "as a special token, or use '' to train a byte-level BPE")
+    tokenizer.encode_special_tokens = True
+    return tokenizer, directory
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Token streams
+
+
+def encode_documents(tokenizer: Tokenizer, texts: list[str], eot_id: int) -> np.ndarray:
+    """[N] int32: each text's ids (no added special tokens) followed by `eot_id`, concatenated."""
+    pieces = []
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        chunk = tokenizer.encode_batch_fast(texts[start:start + ENCODE_CHUNK],
+                                            add_special_tokens=False)
+        for encoding in chunk:
+            pieces += [np.asarray(encoding.ids, np.int32), np.array([eot_id], np.int32)]
+    return np.concatenate(pieces)
+
+
+def load_stream(cfg: Config, tokenizer: Tokenizer, directory: Path, docs: list[Document],
+                split: str) -> np.ndarray:
+    """[N] int32 token stream of `docs` (see `encode_documents`), cached as
+    `directory/{split}-{key}.npy`, the key covering the documents (names, sizes, mtimes)."""
+    path = directory / f"{split}-{_digest([CACHE_VERSION, split, _fingerprint(docs)])}.npy"
+    if not path.exists():
+        log.info("encoding the %s split: %d files", split, len(docs))
+        stream = encode_documents(tokenizer, [d.text() for d in docs], tokenizer.token_to_id(EOT))
+        _write_atomic(path, lambda f: np.save(f, stream))
+    stream = np.load(path, mmap_mode="r")
+    if stream.size and int(stream.max()) >= cfg.vocab_size:
+        raise DataError(f"the {split} stream has token ids >= vocab_size={cfg.vocab_size} (up to "
+                        f"{int(stream.max())}): the tokenizer does not fit the model; lower "
+                        "`tokenizer_vocab_size` / change `tokenizer_path` or raise `vocab_size`")
+    return stream
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Packing
+
+
+def num_rows(stream_len: int, seq_len: int) -> int:
+    """Rows of S + 1 tokens, consecutive rows overlapping by one token, that fit the stream."""
+    return max(stream_len - 1, 0) // seq_len
+
+
+def pack_row(stream: np.ndarray, row: int, seq_len: int, eot_id: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row `row` of the stream as (tokens [S+1] int32, mask [S] bool, segment_ids [S] int32).
+
+    tokens = stream[row*S : row*S + S + 1]; input t = tokens[t], target t = tokens[t + 1].
+    segment_ids[t]: how many end-of-text tokens precede input t in the row (0 for the first,
+    possibly continued, document; the token after end-of-text starts the next segment).
+    mask[t]: the target is in the same document as the input, i.e. input t is not end-of-text
+    (the end-of-text token itself is predicted; nothing is predicted across documents)."""
+    tokens = np.asarray(stream[row * seq_len: row * seq_len + seq_len + 1], np.int32)
+    is_eot = tokens[:-1] == eot_id  # [S]
+    segment_ids = np.concatenate([[0], np.cumsum(is_eot[:-1])]).astype(np.int32)
+    return tokens, ~is_eot, segment_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Batches
+
+
+class TextBatches:
+    """Batches of packed rows of one split, for this process.
+
+    batch(step) -> (tokens [A, B_local, S+1] int32, mask [A, B_local, S] bool,
+                    segment_ids [A, B_local, S] int32), NumPy arrays, where A is
+    `gradient_accumulation_steps`, B_local = global_batch // num_processes, and global row j of
+    micro-batch a of step s is element (s*A + a)*global_batch + j of the row sequence; this
+    process holds global rows [process_index*B_local, (process_index + 1)*B_local).
+
+    Row sequence: 'train' - the rows in a seeded order (Grain's index shuffle, seed `cfg.seed`),
+    reshuffled each epoch; 'eval' - the rows in stream order, from the first again after the last
+    (so a held-out split smaller than one batch repeats rows within the batch).
+
+    Attributes: split, tokenizer, eot_id, num_rows, tokens_in_split, global_batch, local_batch.
+    """
+
+    def __init__(self, cfg: Config, split: str = "train", num_processes: int | None = None,
+                 process_index: int | None = None, global_batch: int | None = None):
+        """num_processes / process_index default to jax.process_count() / jax.process_index();
+        global_batch to per_device_batch_size * jax.device_count()."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        num_processes = jax.process_count() if num_processes is None else num_processes
+        process_index = jax.process_index() if process_index is None else process_index
+        global_batch = (cfg.per_device_batch_size * jax.device_count() if global_batch is None
+                        else global_batch)
+        if global_batch % num_processes:
+            raise DataError(f"config key `per_device_batch_size`: the global batch {global_batch} "
+                            f"does not split evenly over {num_processes} processes")
+        if not 0 <= process_index < num_processes:
+            raise ValueError(f"process_index {process_index} not in [0, {num_processes})")
+        train_docs, eval_docs = split_documents(corpus_documents(cfg), cfg.eval_fraction, cfg.seed)
+        self.tokenizer, directory = load_tokenizer(cfg, train_docs)
+        self.eot_id = self.tokenizer.token_to_id(EOT)
+        docs = train_docs if split == "train" else eval_docs
+        stream = load_stream(cfg, self.tokenizer, directory, docs, split)
+        seq_len = cfg.max_target_length
+        self.split, self.tokens_in_split = split, len(stream)
+        self.num_rows = num_rows(len(stream), seq_len)
+        if self.num_rows == 0:
+            raise DataError(f"config key `max_target_length`: the corpus is too small; its {split} "
+                            f"split has {len(stream)} tokens, fewer than max_target_length + 1 = "
+                            f"{seq_len + 1}; add text to dataset_path, lower max_target_length or "
+                            "(for the eval split) raise eval_fraction")
+        rows = grain.MapDataset.range(self.num_rows)
+        if split == "train":
+            rows = rows.shuffle(seed=cfg.seed % 2**32)  # Grain takes seeds in [0, 2**32)
+        self._rows = rows.repeat().map(lambda r: pack_row(stream, r, seq_len, self.eot_id))
+        self.global_batch, self.local_batch = global_batch, global_batch // num_processes
+        self._accum, self._first = cfg.gradient_accumulation_steps, process_index * self.local_batch
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This process's share of the batch of optimizer step `step` (see the class docstring)."""
+        a, b = self._accum, self.local_batch
+        rows = [self._rows[(step * a + micro) * self.global_batch + self._first + j]
+                for micro in range(a) for j in range(b)]
+        tokens, mask, segment_ids = (np.stack([row[i] for row in rows]).reshape(a, b, -1)
+                                     for i in range(3))
+        return tokens, mask, segment_ids  # [A, B_local, S+1], [A, B_local, S], [A, B_local, S]

@@ -1,0 +1,223 @@
+import io
+import json
+import re
+
+import numpy as np
+import pytest
+import yaml
+from rich.console import Console
+
+from moebalance import report
+from moebalance.metrics import STAT_NAMES, load_stats
+
+SEED_HEADERS = ["Layer", "Routing", "Step 0 Var (Baseline)", "Step 20 Var (Run A)",
+                "Step 20 Var (Run B)", "Improvement (A vs B)"]
+ROW_KEYS = {"layer", "routing", "var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a",
+            "maxvio_b"}
+TOTAL_KEYS = {"var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a", "maxvio_b",
+              "mean_improvement", "loss_a", "loss_b", "steps", "tokens_per_step"}
+
+
+def quiet_console():
+    return Console(file=io.StringIO(), width=200)
+
+
+def write_run(path, step0, final, routing, *, tokens, k, steps=20, final_loss=9.0):
+    """A fake finished run in the trainer's format: counts interpolate from step0 to final."""
+    step0, final = np.asarray(step0), np.asarray(final)
+    path.mkdir(parents=True)
+    config = {"num_experts": step0.shape[1], "num_experts_per_tok": k,
+              "first_num_hash_layers": routing.count("hash"),
+              "base_num_decoder_layers": len(routing), "steps": steps,
+              "gradient_accumulation_steps": 1, "per_device_batch_size": 1,
+              "max_target_length": tokens}
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    with open(path / "metrics.jsonl", "w") as f:
+        for step in range(steps):
+            counts = step0 + (final - step0) * step / max(steps - 1, 1)
+            stats = load_stats(counts)
+            layers = [{"layer": i, "routing": kind,
+                       **{name: float(stats[name][i]) for name in STAT_NAMES}}
+                      for i, kind in enumerate(routing)]
+            loss = 11.0 + (final_loss - 11.0) * step / max(steps - 1, 1)
+            f.write(json.dumps({"step": step, "loss": loss, "ce": loss, "lr": 1e-3,
+                                "grad_norm": 1.0, "tokens_per_s": 1e4, "layers": layers}) + "\n")
+    (path / "probe_counts.json").write_text(json.dumps(
+        {"tokens": tokens, "routing": list(routing),
+         "counts": {"0": step0.tolist(), str(steps): final.tolist()}}))
+    return path
+
+
+# Hand case, E = 4, 4 tokens x K = 2 = 8 assignments (mean 2) per layer:
+#   [8,0,0,0] var (36+4+4+4)/4 = 12, MaxVio 3;  [4,0,2,2] var 2, MaxVio 1;
+#   [3,1,2,2] var 0.5, MaxVio 0.5.  Floor: 4 * (2/4) * (1 - 2/4) = 1.
+HASH = [8, 0, 0, 0]
+STEP0 = [HASH, [4, 0, 2, 2], [8, 0, 0, 0]]
+FINAL_A = [HASH, [4, 0, 2, 2], [8, 0, 0, 0]]
+FINAL_B = [HASH, [3, 1, 2, 2], [4, 0, 2, 2]]
+ROUTING = ["hash", "topk", "topk"]
+
+
+def test_seed_hash_row():
+    seed_hash = [[8192] + [0] * 15]
+    table = report.layer_table(seed_hash, seed_hash, seed_hash, ["hash"], 2048, 4)
+    row = table["rows"][0]
+    assert row["var_step0"] == row["var_a"] == row["var_b"] == 3932160.0
+    assert row["improvement"] == 0.0 and row["maxvio_a"] == 15.0
+    assert row["floor"] == 2048 * 0.25 * 0.75
+    table["total"].update(loss_a=1.0, loss_b=1.0, steps=20, tokens_per_step=2048)
+    assert "| 0 | Hash Routed | 3932160.00 | 3932160.00 | 3932160.00 | 0.00% |" in (
+        report.format_markdown(table))
+
+
+def test_layer_table_hand_case():
+    table = report.layer_table(STEP0, FINAL_A, FINAL_B, ROUTING, num_tokens=4, k=2)
+    rows = table["rows"]
+    assert [r["layer"] for r in rows] == [0, 1, 2] and [r["routing"] for r in rows] == ROUTING
+    assert [(r["var_step0"], r["var_a"], r["var_b"]) for r in rows] == [
+        (12.0, 12.0, 12.0), (2.0, 2.0, 0.5), (12.0, 12.0, 2.0)]
+    assert [r["improvement"] for r in rows] == pytest.approx([0.0, 0.75, 10 / 12])
+    assert [(r["maxvio_a"], r["maxvio_b"]) for r in rows] == [(3, 3), (1, 0.5), (3, 1)]
+    assert all(r["floor"] == 1.0 for r in rows)
+    total = table["total"]
+    # top-K only: the hash layer's 12 is in no sum
+    assert (total["var_step0"], total["var_a"], total["var_b"]) == (14.0, 14.0, 2.5)
+    assert total["floor"] == 2.0
+    assert total["improvement"] == pytest.approx(11.5 / 14)  # ratio of sums: 82.14%
+    assert total["mean_improvement"] == pytest.approx((0.75 + 10 / 12) / 2)  # 79.17%
+    assert total["mean_improvement"] != pytest.approx(total["improvement"])
+    assert (total["maxvio_a"], total["maxvio_b"]) == (2.0, 0.75)
+
+
+def test_improvement_is_zero_for_a_balanced_run_a():
+    balanced = [[2, 2, 2, 2]]
+    table = report.layer_table(balanced, balanced, [[3, 1, 2, 2]], ["topk"], 4, 2)
+    assert table["rows"][0]["improvement"] == 0.0 and table["total"]["improvement"] == 0.0
+
+
+def ab_runs(tmp_path, final_b=FINAL_B):
+    a = write_run(tmp_path / "no_balance", STEP0, FINAL_A, ROUTING, tokens=4, k=2,
+                  final_loss=9.0)
+    b = write_run(tmp_path / "balance", STEP0, final_b, ROUTING, tokens=4, k=2, final_loss=9.09)
+    return a, b
+
+
+def test_ab_report_files_and_schema(tmp_path):
+    a, b = ab_runs(tmp_path)
+    out = tmp_path / "report"
+    console = quiet_console()
+    table = report.ab_report(a, b, out, console=console)
+    saved = json.loads((out / "table.json").read_text())
+    assert saved == table and set(saved) == {"rows", "total"}
+    assert all(set(r) == ROW_KEYS for r in saved["rows"]) and set(saved["total"]) == TOTAL_KEYS
+    assert (saved["total"]["steps"], saved["total"]["tokens_per_step"]) == (20, 4)
+    assert (saved["total"]["loss_a"], saved["total"]["loss_b"]) == pytest.approx((9.0, 9.09))
+
+    markdown = (out / "table.md").read_text()
+    header = markdown.splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        *SEED_HEADERS, "Floor", "MaxVio A", "MaxVio B"]
+    assert "| TOTAL/AVG | Top-K only | 14.00 | 14.00 | 2.50 | 82.14% |" in markdown
+    assert "79.17%" in markdown  # the mean of the per-layer improvements, below the table
+    assert "Run A 9.0000, Run B 9.0900 (B vs A +1.00%)" in markdown
+
+    for name in report.PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == len(report.PLOTS)
+    assert all(src.startswith("data:") for src in re.findall(r'src="([^"]*)"', page))
+    assert "<link" not in page and "<script" not in page
+    assert "<th>Step 20 Var (Run A)</th>" in page and "82.14%" in page
+    assert "Top-K Routed" in console.file.getvalue()  # the printed table
+
+
+def test_ab_report_rejects_different_step0(tmp_path):
+    a = write_run(tmp_path / "a", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
+    other = [HASH, [3, 1, 2, 2], [8, 0, 0, 0]]
+    b = write_run(tmp_path / "b", other, FINAL_B, ROUTING, tokens=4, k=2)
+    with pytest.raises(ValueError, match="same weights"):
+        report.ab_report(a, b, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ab_report_rejects_different_lengths(tmp_path):
+    a = write_run(tmp_path / "a", STEP0, FINAL_A, ROUTING, tokens=4, k=2, steps=20)
+    b = write_run(tmp_path / "b", STEP0, FINAL_B, ROUTING, tokens=4, k=2, steps=10)
+    with pytest.raises(ValueError, match="same length"):
+        report.ab_report(a, b, tmp_path / "out")
+
+
+def test_reports_refuse_to_overwrite(tmp_path):
+    a, b = ab_runs(tmp_path)
+    out = tmp_path / "report"
+    quiet = quiet_console()
+    report.ab_report(a, b, out, console=quiet)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        report.ab_report(a, b, out, console=quiet)
+    with pytest.raises(FileExistsError):
+        report.compare_report([a, b], out, console=quiet)
+    report.ab_report(a, b, out, console=quiet, overwrite=True)
+
+
+def test_load_run_checks_the_probe(tmp_path):
+    run = write_run(tmp_path / "run", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
+    loaded = report.load_run(run)
+    assert loaded.name == "run" and loaded.final_step == 20 and loaded.tokens == 4
+    assert loaded.step0.dtype == np.int64 and loaded.step0.shape == (3, 4)
+    assert loaded.routing == tuple(ROUTING) and len(loaded.metrics) == 20
+    probe = json.loads((run / "probe_counts.json").read_text())
+    probe["tokens"] = 5
+    (run / "probe_counts.json").write_text(json.dumps(probe))
+    with pytest.raises(ValueError, match="tokens \\* K"):
+        report.load_run(run)
+    (run / "probe_counts.json").unlink()
+    with pytest.raises(FileNotFoundError, match="probe_counts.json"):
+        report.load_run(run)
+
+
+def test_compare_report_three_runs(tmp_path):
+    final_c = [HASH, [2, 2, 2, 2], [3, 1, 2, 2]]
+    paths = [write_run(tmp_path / "sign", STEP0, FINAL_B, ROUTING, tokens=4, k=2),
+             write_run(tmp_path / "proportional", STEP0, final_c, ROUTING, tokens=4, k=2),
+             write_run(tmp_path / "aux_loss", STEP0, FINAL_A, ROUTING, tokens=4, k=2,
+                       steps=10)]
+    out = tmp_path / "cmp"
+    table = report.compare_report(paths, out, console=quiet_console())
+    assert json.loads((out / "table.json").read_text()) == table
+    assert set(table) == {"runs", "same_probe", "rows", "total"}
+    assert table["runs"] == ["sign", "proportional", "aux_loss"] and table["same_probe"]
+    assert table["rows"][2]["var"] == {"sign": 2.0, "proportional": 0.5, "aux_loss": 12.0}
+    assert table["rows"][2]["maxvio"] == {"sign": 1.0, "proportional": 0.5, "aux_loss": 3.0}
+    assert table["total"]["var"] == {"sign": 2.5, "proportional": 0.5, "aux_loss": 14.0}
+    assert table["total"]["var_step0"]["sign"] == 14.0 and table["total"]["floor"] == 2.0
+    assert table["total"]["steps"] == {"sign": 20, "proportional": 20, "aux_loss": 10}
+    header = (out / "table.md").read_text().splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "Layer", "Routing", "Step 0 Var", "Var sign", "MaxVio sign", "Var proportional",
+        "MaxVio proportional", "Var aux_loss", "MaxVio aux_loss", "Floor"]
+    for name in (*report.PLOTS, "report.html"):
+        assert (out / name).is_file()
+
+
+def test_compare_report_with_different_probes_shows_each_step0(tmp_path):
+    paths = [write_run(tmp_path / "x", STEP0, FINAL_A, ROUTING, tokens=4, k=2),
+             write_run(tmp_path / "y", FINAL_B, FINAL_B, ROUTING, tokens=4, k=2)]
+    table = report.compare_report(paths, tmp_path / "cmp",
+                                  console=quiet_console())
+    assert not table["same_probe"]
+    assert table["rows"][1]["var_step0"] == {"x": 2.0, "y": 0.5}
+    markdown = (tmp_path / "cmp" / "table.md").read_text()
+    assert "Step 0 Var x" in markdown and "Step 0 Var y" in markdown
+    assert "different probe batches" in markdown
+
+
+def test_write_html_escapes_text(tmp_path):
+    table = report.layer_table(STEP0, FINAL_A, FINAL_B, ROUTING, num_tokens=4, k=2)
+    table["total"].update(loss_a=9.0, loss_b=9.0, steps=20, tokens_per_step=4)
+    configs = {"A: <b>": {"note": "</pre><script>x</script>", "steps": 20},
+               "B: plain": {"note": "same", "steps": 20}}
+    page = report.write_html(tmp_path, table, [], configs).read_text()
+    assert "<script>" not in page and "&lt;/pre&gt;&lt;script&gt;" in page
+    assert "A: &lt;b&gt;" in page
+    assert "Settings that differ" in page and "<td>note</td>" in page
+    assert "<td>steps</td>" not in page  # equal in both runs
