@@ -20,7 +20,7 @@ from flax import nnx
 
 from moebalance.config import load_config
 from moebalance.model.transformer import DeepSeekV4
-from moebalance.training.loop import synthetic_batch
+from moebalance.data import batches
 from moebalance.training.step import make_optimizer, make_train_step
 
 
@@ -32,7 +32,7 @@ def bench(config, overrides, batch, seq, steps, dtype):
     init_s = time.perf_counter() - start
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     step = make_train_step(cfg, model)
-    data = synthetic_batch(cfg, 0)
+    data = batches(cfg).batch(0)
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, *data))
     compile_s = time.perf_counter() - start

@@ -57,7 +57,7 @@ def test_corpus_files_sorted_and_skips_empty_and_non_utf8(tmp_path, corpus):
 
 
 def test_default_corpus_is_the_stdlib_without_site_packages():
-    cfg = load_config("deepseek4-smoke", {"dataset_type": "text"})
+    cfg = load_config("deepseek4-smoke", {"dataset_type": "text", "vocab_size": 8192})
     files = data.corpus_files(cfg)
     assert len(files) > 500 and files == sorted(files)
     assert not any({"site-packages", "dist-packages"} & set(f.parts) for f in files)
@@ -76,9 +76,9 @@ def test_split_is_deterministic_order_independent_and_covers_each_document_once(
 
 def test_split_of_a_document_depends_only_on_its_name_and_the_seed():
     docs = [data.Document(f"pkg/d{i}.py", Path(f"/corpus/pkg/d{i}.py")) for i in range(400)]
-    train, held = data.split_documents(docs, 0.25, seed=7)
+    _, held = data.split_documents(docs, 0.25, seed=7)
     assert 0.18 < len(held) / len(docs) < 0.32
-    sub_train, sub_held = data.split_documents(docs[100:300], 0.25, seed=7)
+    _, sub_held = data.split_documents(docs[100:300], 0.25, seed=7)
     assert set(sub_held) == set(held) & set(docs[100:300])
     moved = [data.Document(d.name, Path("/elsewhere") / d.name) for d in docs]
     assert [d.name for d in data.split_documents(moved, 0.25, seed=7)[1]] == [d.name for d in held]
@@ -185,10 +185,14 @@ def test_pack_row_matches_reference(seed):
 
 def test_pack_row_hand_computed():
     stream = np.array([5, 0, 0, 7, 8, 0, 9, 4, 0], np.int32)  # eot 0
+    tokens, mask, segment_ids = data.pack_row(stream, 0, 4, 0)
+    assert tokens.tolist() == [5, 0, 0, 7, 8]
+    assert mask.tolist() == [True, False, False, True]  # an empty document between the eots
+    assert segment_ids.tolist() == [0, 0, 1, 2]
     tokens, mask, segment_ids = data.pack_row(stream, 1, 4, 0)
-    assert tokens.tolist() == [0, 7, 8, 0, 9]
-    assert mask.tolist() == [False, True, True, False]
-    assert segment_ids.tolist() == [0, 1, 1, 1]
+    assert tokens.tolist() == [8, 0, 9, 4, 0]  # row 1 starts on row 0's last token
+    assert mask.tolist() == [True, False, True, True]
+    assert segment_ids.tolist() == [0, 0, 1, 1]
 
 
 def test_rows_cover_every_target_once(tmp_path, corpus):
@@ -209,12 +213,11 @@ def test_train_batches_are_a_seeded_permutation_per_epoch(tmp_path, corpus):
     cfg = text_config(tmp_path, root, gradient_accumulation_steps=1, per_device_batch_size=1)
     batches = data.TextBatches(cfg, "train", 1, 0, global_batch=1)
     stream = np.load(next((tmp_path / "cache").glob("*/train-*.npy")))
-    rows = {data.pack_row(stream, r, SEQ, batches.eot_id)[0].tobytes(): r
-            for r in range(batches.num_rows)}
     n = batches.num_rows
-    order = [rows[batches.batch(s)[0][0, 0].tobytes()] for s in range(2 * n)]
-    assert sorted(order[:n]) == sorted(order[n:]) == list(range(n))
-    assert order[:n] != order[n:] and order[:n] != list(range(n))  # reshuffled, shuffled
+    in_order = [data.pack_row(stream, r, SEQ, batches.eot_id)[0].tobytes() for r in range(n)]
+    seen = [batches.batch(s)[0][0, 0].tobytes() for s in range(2 * n)]
+    assert sorted(seen[:n]) == sorted(seen[n:]) == sorted(in_order)  # each epoch: every row once
+    assert seen[:n] != in_order and seen[:n] != seen[n:]  # shuffled, and reshuffled per epoch
     other = data.TextBatches(text_config(tmp_path, root, seed=1, gradient_accumulation_steps=1),
                              "train", 1, 0, global_batch=1)
     assert any(not np.array_equal(other.batch(s)[0], batches.batch(s)[0]) for s in range(n))

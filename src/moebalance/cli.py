@@ -84,6 +84,28 @@ def _train(args) -> int:
     return 0
 
 
+def _ab(args) -> int:
+    """Run A (no balancing) vs Run B (the config's balancing), then the table, plots, report."""
+    from moebalance.config import load_config
+    from moebalance.experiment import ab
+
+    ab(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
+       resume=args.resume)
+    print(f"report written to {args.out}/report.html")
+    return 0
+
+
+def _report(args) -> int:
+    """The comparison table and plots of any finished runs."""
+    from rich.console import Console
+
+    from moebalance.report import compare_report
+
+    compare_report(args.run_dirs, args.out, Console(), overwrite=args.overwrite)
+    print(f"report written to {args.out}/report.html")
+    return 0
+
+
 def _eval(args) -> int:
     """Evaluate a run's latest checkpoint on held-out batches; the run is left untouched."""
     from rich.console import Console
@@ -135,9 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --out from its latest checkpoint")
     train.set_defaults(func=_train)
+    ab = sub.add_parser("ab", help="the A/B experiment: no balancing vs the config's balancing, "
+                        "with the seed's table, plots and an HTML report")
+    ab.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
+    ab.add_argument("overrides", nargs="*", help="key=value overrides (apply to both runs)")
+    ab.add_argument("--out", required=True, help="the experiment directory")
+    mode = ab.add_mutually_exclusive_group()
+    mode.add_argument("--overwrite", action="store_true", help="replace the experiment in --out")
+    mode.add_argument("--resume", action="store_true", help="finish the experiment in --out")
+    ab.set_defaults(func=_ab)
+    compare = sub.add_parser("report", help="table and plots comparing finished runs")
+    compare.add_argument("run_dirs", nargs="+", help="run directories (from train or ab)")
+    compare.add_argument("--out", required=True, help="directory for the report")
+    compare.add_argument("--overwrite", action="store_true", help="replace a report in --out")
+    compare.set_defaults(func=_report)
     evaluate = sub.add_parser("eval", help="held-out loss, perplexity, MaxVio_global of a run")
     evaluate.add_argument("run_dir")
-    evaluate.add_argument("--batches", type=int, default=4, help="held-out global batches")
+    evaluate.add_argument("--batches", type=int, default=None,
+                          help="held-out global batches (default: the whole held-out split "
+                               "for text, 4 for synthetic data)")
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=_eval)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "

@@ -113,6 +113,13 @@ class Config:
     data_cache_dir: str = _key("", "where tokenizers and token streams are cached "
                                "('' : $XDG_CACHE_HOME/moebalance or ~/.cache/moebalance)")
     seed: int = _key(0, "seed of the initial weights and the data order")
+    # --- devices ---
+    ici_data_parallelism: int = _key(1, "mesh axis `data` size (-1: the devices left)")
+    ici_fsdp_parallelism: int = _key(-1, "mesh axis `fsdp` size (-1: the devices left)")
+    jax_distributed_initialization: bool = _key(False, "call jax.distributed.initialize (multi-host)")
+    distributed_coordinator: str = _key("", "coordinator host:port ('' : let JAX discover it)")
+    distributed_num_processes: int = _key(0, "number of processes (0: let JAX discover it)")
+    distributed_process_id: int = _key(0, "this process's index (with distributed_num_processes)")
     checkpoint_period: int = _key(10, "save a checkpoint every this many steps (and at the end)")
     max_num_checkpoints_to_keep: int = _key(3, "keep the last N checkpoints")
 

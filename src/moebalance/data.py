@@ -13,9 +13,10 @@ The pipeline, each stage cached on disk under `data_cache_dir` so a second run s
                    held-out split in stream order. The batch of a step is a function of
                    (config, step) alone, which makes resuming bit-exact.
 
-On the default corpus (CPython 3.11's 1,790 files, 31.5 MB) with 8,192 tokens, building everything
-takes about a minute on two cores (BPE training ~15 s, encoding ~40 s), so the BPE is trained
-on the whole training split, without a cap. Several processes may build the same cache at once:
+On the default corpus (CPython 3.11: 1,758 usable files, 31 MB) with 8,192 tokens, building
+everything takes 25-35 s on two cores (BPE training 9-15 s, encoding 13-19 s; 8.5M tokens), so
+the BPE is trained on the whole training split, without a cap. Later runs load the cache in
+~1.5 s (reading the corpus to check it). Several processes may build the same cache at once:
 every file is written to a temporary name and renamed into place, and all of them write the same
 bytes.
 """
@@ -333,7 +334,7 @@ class TextBatches:
         self.tokenizer, directory = load_tokenizer(cfg, train_docs)
         self.eot_id = self.tokenizer.token_to_id(EOT)
         docs = train_docs if split == "train" else eval_docs
-        stream = load_stream(cfg, self.tokenizer, directory, docs, split)
+        stream = self._stream = load_stream(cfg, self.tokenizer, directory, docs, split)
         seq_len = cfg.max_target_length
         self.split, self.tokens_in_split = split, len(stream)
         self.num_rows = num_rows(len(stream), seq_len)
@@ -357,3 +358,46 @@ class TextBatches:
         tokens, mask, segment_ids = (np.stack([row[i] for row in rows]).reshape(a, b, -1)
                                      for i in range(3))
         return tokens, mask, segment_ids  # [A, B_local, S+1], [A, B_local, S], [A, B_local, S]
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """[V] int64: how often each token id occurs in this split (for balanced hash tables)."""
+        return np.bincount(self._stream, minlength=vocab_size)
+
+
+class SyntheticBatches:
+    """Seeded uniform random token ids with the interface of TextBatches: one document per row,
+    every target counted. The 'eval' split is drawn from another seed (cfg.seed + 1)."""
+
+    def __init__(self, cfg: Config, split: str = "train", num_processes: int | None = None,
+                 process_index: int | None = None, global_batch: int | None = None):
+        num_processes = jax.process_count() if num_processes is None else num_processes
+        process_index = jax.process_index() if process_index is None else process_index
+        self.global_batch = (cfg.per_device_batch_size * jax.device_count()
+                             if global_batch is None else global_batch)
+        if self.global_batch % num_processes:
+            raise DataError(f"config key `per_device_batch_size`: the global batch "
+                            f"{self.global_batch} does not split evenly over {num_processes} "
+                            "processes")
+        self.local_batch = self.global_batch // num_processes
+        self._first = process_index * self.local_batch
+        self._cfg, self._seed = cfg, cfg.seed + (split == "eval")
+        self.split, self.num_rows = split, None
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = self._cfg
+        a, s = c.gradient_accumulation_steps, c.max_target_length
+        rng = np.random.default_rng([self._seed, step])
+        tokens = rng.integers(0, c.vocab_size, (a, self.global_batch, s + 1), dtype=np.int32)
+        tokens = tokens[:, self._first: self._first + self.local_batch]
+        return tokens, np.ones((a, self.local_batch, s), bool), np.zeros(
+            (a, self.local_batch, s), np.int32)
+
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """Uniform: every id equally likely."""
+        return np.ones(vocab_size, np.int64)
+
+
+def batches(cfg: Config, split: str = "train", **kwargs) -> TextBatches | SyntheticBatches:
+    """The data source of `cfg.dataset_type` for a split ('train' or 'eval')."""
+    source = TextBatches if cfg.dataset_type == "text" else SyntheticBatches
+    return source(cfg, split, **kwargs)

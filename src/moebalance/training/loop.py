@@ -1,4 +1,4 @@
-"""The training loop: a run directory, synthetic data, the jitted step, per-step balance metrics.
+"""The training loop: a run directory, data on the mesh, the jitted step, per-step balance metrics.
 
 A run directory holds:
     config.yaml           the resolved configuration
@@ -6,14 +6,21 @@ A run directory holds:
                           losses, and `layers`: per MoE block its load statistics and bias stats)
     expert_counts.i32     every step's [L, E] int32 counts, appended raw (row-major);
     expert_counts.json    its row shape [L, E]: numpy.fromfile(...).reshape(-1, L, E) reads it
+    probe_counts.json     the [L, E] counts of one fixed held-out micro-batch (the probe) before
+                          the first step ("0") and after the last (str(steps)): what the A/B
+                          table compares
+    tensorboard/          TensorBoard event files (loss, lr, balance losses, MaxVio per layer)
     checkpoints/N         Orbax checkpoints after N steps (every checkpoint_period, and at the end)
 
 SIGINT / SIGTERM finish the current step, save a checkpoint and return; `resume=True` continues
-from the latest checkpoint, bit-exactly (the data of a step is a function of the step).
+from the latest checkpoint, bit-exactly (the data of a step is a function of the step, so the step
+is the data position; training draws no random numbers). On several hosts every process runs this
+loop on its own rows of the batch; process 0 writes the logs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,13 +35,16 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from moebalance import data
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global
 from moebalance.model.transformer import DeepSeekV4, routed_layers
-from moebalance.training import checkpoint
+from moebalance.routing import build_hash_table
+from moebalance.training import checkpoint, sharding
 from moebalance.training.step import make_eval_step, make_optimizer, make_train_step
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json",
+             "probe_counts.json", "tensorboard")
 
 
 class RunDirError(FileExistsError):
@@ -49,7 +59,7 @@ def prepare_run_dir(out: Path, overwrite: bool) -> None:
                           "continue it, --overwrite to replace it, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     for f in existing:
-        if f == "checkpoints":
+        if (out / f).is_dir():
             shutil.rmtree(out / f)
         else:
             (out / f).unlink()
@@ -64,18 +74,6 @@ def rewind_logs(out: Path, step: int, cfg: Config) -> None:
     row = cfg.base_num_decoder_layers * cfg.num_experts * 4
     with open(out / "expert_counts.i32", "ab") as f:
         f.truncate(step * row)
-
-
-def synthetic_batch(cfg: Config, step: int, *, held_out: bool = False):
-    """Seeded random tokens for `step`: [A, B, S+1], with full masks and one segment per row.
-    The held-out stream (evaluation) is drawn from another seed."""
-    a, b, s = (cfg.gradient_accumulation_steps, cfg.per_device_batch_size * jax.device_count(),
-               cfg.max_target_length)
-    key = jax.random.fold_in(jax.random.key(cfg.seed), step)
-    if held_out:
-        key = jax.random.fold_in(jax.random.key(cfg.seed + 1), step)
-    tokens = jax.random.randint(key, (a, b, s + 1), 0, cfg.vocab_size, jnp.int32)
-    return tokens, jnp.ones((a, b, s), bool), jnp.zeros((a, b, s), jnp.int32)
 
 
 def layer_metrics(counts: np.ndarray, biases: np.ndarray | None, routed: list[int]) -> list[dict]:
@@ -111,69 +109,138 @@ class _StopRequest:
             signal.signal(s, handler)
 
 
+def _probe(cfg: Config, mesh) -> tuple:
+    """The fixed measurement batch: micro-batch 0 of held-out batch 0, [B, S+1] / [B, S]."""
+    tokens, mask, segment_ids = data.batches(cfg, "eval").batch(0)
+    return tuple(x[0] for x in sharding.global_batch(mesh, tokens, mask, segment_ids))
+
+
+def _hash_tables(cfg: Config, train_data) -> list | None:
+    """'balanced' tables from the training split's token frequencies (uniform for synthetic)."""
+    if cfg.hash_table != "balanced" or not cfg.first_num_hash_layers:
+        return None
+    counts = train_data.token_counts(cfg.vocab_size)
+    return [build_hash_table(cfg.vocab_size, cfg.num_experts, cfg.num_experts_per_tok,
+                             "balanced", token_counts=counts)] * cfg.first_num_hash_layers
+
+
+def build(cfg: Config, mesh, train_data=None):
+    """Model and optimizer, placed on the mesh."""
+    model = DeepSeekV4(cfg, hash_tables=_hash_tables(cfg, train_data or data.batches(cfg)),
+                       rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    sharding.shard(model, mesh)
+    sharding.shard(optimizer, mesh)
+    return model, optimizer
+
+
+def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int) -> None:
+    path = out / "probe_counts.json"
+    probe = json.loads(path.read_text()) if path.exists() else {
+        "tokens": tokens, "routing": ["topk" if i in routed else "hash"
+                                      for i in range(len(counts))], "counts": {}}
+    probe["counts"][str(key)] = np.asarray(counts).tolist()
+    path.write_text(json.dumps(probe))
+
+
+def _tensorboard(writer, record: dict) -> None:
+    step = record["step"]
+    for key, value in record.items():
+        if key not in ("step", "layers"):
+            writer.add_scalar(f"train/{key}", value, step)
+    for row in record["layers"]:
+        for stat in ("maxvio", "variance", "cv"):
+            writer.add_scalar(f"layer_{row['layer']:02d}/{stat}", row[stat], step)
+        if "bias_std" in row:
+            writer.add_scalar(f"layer_{row['layer']:02d}/bias_std", row["bias_std"], step)
+    writer.flush()
+
+
 def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
           progress: bool = True) -> dict:
     """Train `cfg.steps` steps into run directory `out`; returns the last step's record."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from tensorboardX import SummaryWriter
 
+    sharding.initialize_distributed(cfg)
     out = Path(out)
+    writer_process = jax.process_index() == 0
     if resume:
         saved = Config(**yaml.safe_load((out / "config.yaml").read_text()))
         if saved != cfg:
             raise RunDirError(f"{out} was started with another config; resume it with its own "
                               f"config.yaml")
-    else:
+    elif writer_process:
         prepare_run_dir(out, overwrite)
+    mesh = sharding.make_mesh(cfg)
+    train_data = data.batches(cfg, "train")  # checks the data before anything is written
+    probe = _probe(cfg, mesh)
+    if writer_process and not resume:
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
-    model = DeepSeekV4(cfg, rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    model, optimizer = build(cfg, mesh, train_data)
     checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
     first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
-    if resume:
+    if resume and writer_process:
         rewind_logs(out, first, cfg)
     step_fn = make_train_step(cfg, model)
+    eval_step = make_eval_step(cfg, model)
     routed = routed_layers(model)
+    probe_tokens = int(np.prod(probe[1].shape))
+    if first == 0 and writer_process:
+        _write_probe(out, 0, jax.device_get(eval_step(model, *probe)["counts"]), routed,
+                     probe_tokens)
     console = Console()
-    tokens_per_step = (cfg.gradient_accumulation_steps * cfg.per_device_batch_size *
-                       jax.device_count() * cfg.max_target_length)
+    tokens_per_step = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
     record = {}
     with _StopRequest() as stop, Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                   TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=console,
-                  disable=not progress) as bar, open(out / "metrics.jsonl", "a") as log, open(
-            out / "expert_counts.i32", "ab") as counts_file:
+                  disable=not (progress and writer_process)) as bar, contextlib.ExitStack() as files:
+        if writer_process:
+            log = files.enter_context(open(out / "metrics.jsonl", "a"))
+            counts_file = files.enter_context(open(out / "expert_counts.i32", "ab"))
+            writer = SummaryWriter(str(out / "tensorboard"), purge_step=first or None)
+            files.callback(writer.close)
         task = bar.add_task("train", total=cfg.steps, completed=first, status="compiling...")
         for step in range(first, cfg.steps):
             start = time.perf_counter()
-            metrics = jax.device_get(step_fn(model, optimizer, *synthetic_batch(cfg, step)))
+            batch = sharding.global_batch(mesh, *train_data.batch(step))
+            metrics = jax.device_get(step_fn(model, optimizer, *batch))
             seconds = time.perf_counter() - start
             if not math.isfinite(float(metrics["loss"])):
                 raise FloatingPointError(
                     f"step {step}: the loss is {float(metrics['loss'])}; stopping (lower "
-                    "learning_rate or check the data)")
+                    "learning_rate or check the data); the last good checkpoint is kept")
             counts = np.asarray(metrics.pop("counts"), np.int32)
-            counts.tofile(counts_file)
             biases = np.asarray(metrics.pop("bias")) if "bias" in metrics else None
             record = {"step": step, **{k: float(v) for k, v in metrics.items()},
                       "tokens_per_s": tokens_per_step / seconds,
                       "layers": layer_metrics(counts, biases, routed)}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
+            if writer_process:
+                counts.tofile(counts_file)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                _tensorboard(writer, record)
             maxvio = np.mean([r["maxvio"] for r in record["layers"] if r["routing"] == "topk"]
                              or [0.0])
             bar.update(task, advance=1, status=f"loss {record['loss']:.4f}  "
                        f"{record['tokens_per_s']:.0f} tok/s  MaxVio {maxvio:.3f}")
             done = step + 1
+            if done == cfg.steps and writer_process:
+                _write_probe(out, done, jax.device_get(eval_step(model, *probe)["counts"]),
+                             routed, probe_tokens)
             if done % cfg.checkpoint_period == 0 or done == cfg.steps or stop.signal:
-                counts_file.flush()
+                if writer_process:
+                    counts_file.flush()
                 checkpoint.save(checkpoints, done, model, optimizer)
             if stop.signal:
                 console.print(f"stopped by signal {stop.signal} after step {step}; checkpoint "
                               f"saved, continue with --resume")
                 return record
-    _summary(console, record, routed)
+    if writer_process:
+        _summary(console, record, routed)
     return record
 
 
@@ -193,23 +260,28 @@ def _summary(console, record: dict, routed: list[int]) -> None:
     console.print(table)
 
 
-def evaluate(run_dir: Path, batches: int = 4) -> dict:
+def evaluate(run_dir: Path, batches: int | None = None) -> dict:
     """Held-out loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint.
 
-    Counts are accumulated over all evaluation batches before MaxVio is taken; nothing is
+    `batches` held-out batches (default: the whole held-out split once for text, 4 for
+    synthetic data). Counts are accumulated over all of them before MaxVio is taken; nothing is
     written to the run and the bias is only read.
     """
     run_dir = Path(run_dir)
     cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
-    model = DeepSeekV4(cfg, rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    mesh = sharding.make_mesh(cfg)
+    held_out = data.batches(cfg, "eval")
+    if batches is None:
+        per_batch = cfg.gradient_accumulation_steps * held_out.global_batch
+        batches = max(1, held_out.num_rows // per_batch) if cfg.dataset_type == "text" else 4
+    model, optimizer = build(cfg, mesh)
     step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
                               model, optimizer)
     eval_step = make_eval_step(cfg, model)
     ce_sum = n_tokens = 0.0
     counts = []
     for i in range(batches):
-        tokens, mask, seg = synthetic_batch(cfg, i, held_out=True)
+        tokens, mask, seg = sharding.global_batch(mesh, *held_out.batch(i))
         for a in range(tokens.shape[0]):
             out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
             ce_sum += float(out["ce_sum"])
@@ -219,5 +291,6 @@ def evaluate(run_dir: Path, batches: int = 4) -> dict:
     routed = routed_layers(model)
     maxvio = maxvio_global(np.stack(counts))
     return {"step": step, "loss": loss, "perplexity": math.exp(loss), "tokens": int(n_tokens),
+            "batches": batches,
             "layers": [{"layer": i, "routing": "topk" if i in routed else "hash",
                         "maxvio_global": float(maxvio[i])} for i in range(len(maxvio))]}
