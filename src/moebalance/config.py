@@ -231,6 +231,11 @@ def _check_type(key: str, value, hint):
         return value
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if float in allowed and isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     base = [typing.get_origin(a) or a for a in allowed if a is not type(None)]
     if any(isinstance(value, b) and not (b is int and isinstance(value, bool)) for b in base):
         return value

@@ -49,8 +49,9 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fill:
         if num_devices % fixed:
-            raise ConfigError(f"config key `{fill[0]}` = -1: the other mesh axes ({fixed} devices) "
-                              f"do not divide the {num_devices} devices")
+            raise ConfigError(f"config keys `ici_data_parallelism` x `ici_fsdp_parallelism`: the "
+                              f"fixed axes ({fixed} devices) do not divide the {num_devices} "
+                              f"devices (`{fill[0]}` = -1 takes the rest)")
         sizes[fill[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
         raise ConfigError(f"config keys `ici_data_parallelism` x `ici_fsdp_parallelism` = "

@@ -1,0 +1,55 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moebalance.config import ConfigError, load_config
+from moebalance.training import sharding
+
+HERE = Path(__file__).parent
+
+
+def run_on(devices: int, out: Path, *overrides: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    subprocess.run([sys.executable, str(HERE / "multidevice_run.py"), str(out), *overrides],
+                   env=env, check=True)
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("mesh,shape", [
+    (("ici_fsdp_parallelism=-1",), [1, 8, 1]),
+    (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1])])
+def test_one_device_equals_eight(tmp_path, mesh, shape):
+    one = run_on(1, tmp_path / "one.npz")
+    eight = run_on(8, tmp_path / "eight.npz", *mesh)
+    assert list(one["mesh"]) == [1, 1, 1] and list(eight["mesh"]) == shape
+    assert "fsdp" in str(eight["embed_spec"])  # parameters really are split
+    np.testing.assert_array_equal(eight["counts"], one["counts"])  # exact, every step and block
+    for key in ("loss", "grad_norm", "bias", "embed"):
+        np.testing.assert_allclose(eight[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_mesh_shape_and_errors():
+    cfg = load_config("deepseek4-smoke", {"ici_data_parallelism": 2})
+    assert sharding.mesh_shape(cfg, 8) == (2, 4, 1)
+    with pytest.raises(ConfigError, match="do not divide the 7 devices"):
+        sharding.mesh_shape(cfg, 7)
+    both = load_config("deepseek4-smoke", {"ici_data_parallelism": -1})
+    with pytest.raises(ConfigError, match="at most one"):
+        sharding.mesh_shape(both, 8)
+    fixed = load_config("deepseek4-smoke", {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 2})
+    with pytest.raises(ConfigError, match="must equal the 8 devices"):
+        sharding.mesh_shape(fixed, 8)
+
+
+def test_param_spec_splits_largest_divisible_axis_not_the_layer_axis():
+    assert sharding.param_spec(("embed",), (256, 64), 4) == P("fsdp", None)
+    assert sharding.param_spec(("w",), (6, 64), 4) == P(None, "fsdp")
+    assert sharding.param_spec(("w",), (6, 5), 4) == P()
+    assert sharding.param_spec(("segments", 1, "units", "w"), (64, 8, 32), 8) == P(None, None, "fsdp")
+    assert sharding.param_spec(("w",), (64, 8), 1) == P()
