@@ -57,6 +57,23 @@ def test_sinkhorn_is_doubly_stochastic():
     np.testing.assert_allclose(comb[0], ref.sinkhorn(f64(logits[0]), 20, 1e-6), rtol=1e-5)
 
 
+def test_sinkhorn_gradient_matches_autodiff_of_the_plain_iteration():
+    def plain(logits, iters, eps):  # the obvious loop, differentiated by JAX
+        c = jax.nn.softmax(logits, axis=-1) + eps
+        c = c / (c.sum(-2, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (c.sum(-1, keepdims=True) + eps)
+            c = c / (c.sum(-2, keepdims=True) + eps)
+        return c
+
+    logits = jnp.asarray(RNG.normal(size=(2, 5, 4, 4)) * 2, jnp.float32)
+    weights = jnp.asarray(RNG.normal(size=logits.shape), jnp.float32)
+    for iters in (1, 2, 20):
+        got = jax.grad(lambda x: (sinkhorn(x, iters, 1e-6) * weights).sum())(logits)
+        want = jax.grad(lambda x: (plain(x, iters, 1e-6) * weights).sum())(logits)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
 def test_hyper_connection_matches_reference():
     m, d = 4, 8
     hc = HyperConnection(d, m, iters=20, eps=1e-6, norm_eps=1e-6, rngs=nnx.Rngs(0))

@@ -83,16 +83,17 @@ def test_bias_freezes_and_the_optimizer_never_moves_it():
     assert not np.array_equal(routers[2], routers[3])
 
 
-def test_quantile_rule_sets_the_bias_from_the_step_scores():
-    cfg, model, opt = setup(routed_bias_update_rule="quantile")
+@pytest.mark.parametrize("rate", [1.0, 0.25])
+def test_quantile_rule_sets_the_bias_from_the_step_scores(rate):
+    cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate)
     tokens, mask, seg = batch(1, 4)
     out = nnx.jit(lambda m, t: m(t))(model, tokens[0, :, :-1])
     before = np.asarray(get_biases(model))
     make_train_step(cfg, model)(model, opt, tokens, mask, seg)
     for i, layer in enumerate(routed_layers(model)):
         s = np.asarray(out.routing.scores[layer]).reshape(-1, cfg.num_experts)
-        np.testing.assert_allclose(get_biases(model)[i],
-                                   ref.quantile_bias(s, before[i], cfg.num_experts_per_tok),
+        fit = ref.quantile_bias(s, before[i], cfg.num_experts_per_tok)
+        np.testing.assert_allclose(get_biases(model)[i], before[i] + rate * (fit - before[i]),
                                    rtol=1e-4, atol=1e-5)
 
 

@@ -74,7 +74,9 @@ BIAS_RULES = {"sign": _sign_of_mean_minus, "proportional": _proportional, "fract
 # Documented default rates, tested not to oscillate (tests/test_simulation.py). 'proportional' uses
 # raw counts, so its rate scales inversely with the per-expert load: 1e-4 is for ~512 assignments
 # per expert per step (use 0.05 / (N*K/E) in general). 'sign' is DeepSeek-V3/V4's gamma.
-DEFAULT_RATES = {"sign": 1e-3, "proportional": 1e-4, "fraction": 1.0}
+# 'quantile' moves the bias this fraction of the way to the batch's quantile fit (damped_quantile):
+# 1.0 is Quantile Balancing as published.
+DEFAULT_RATES = {"sign": 1e-3, "proportional": 1e-4, "fraction": 1.0, "quantile": 1.0}
 
 
 def update_bias(
@@ -128,6 +130,7 @@ def quantile_bias(
     *,
     mask: jax.Array | None = None,
     center: bool = False,
+    rate=1.0,
 ) -> jax.Array:
     """Quantile Balancing: the bias that would give every expert ~N*K/E of this batch's tokens.
 
@@ -151,6 +154,9 @@ def quantile_bias(
       k: experts per token. With k == E every expert is always chosen and the bias is returned.
       mask: [...] bool valid tokens, or None.
       center: subtract the mean of the new bias.
+      rate: move this fraction of the way from `bias` to the fit (1.0: Quantile Balancing as
+        published; smaller values average the fit over about 1/rate batches, so the bias stops
+        chasing one batch's sampling noise; 0 keeps the bias).
 
     Returns:
       [E] float32 new bias.
@@ -168,7 +174,8 @@ def quantile_bias(
     if mask is not None:
         valid = mask.reshape(-1).astype(bool)[:, None]
         margins = jnp.where(valid, margins, jnp.nan)
-    new_bias = -jnp.nanquantile(margins, 1.0 - k / num_experts, axis=0)  # [E]
+    fit = -jnp.nanquantile(margins, 1.0 - k / num_experts, axis=0)  # [E]
+    new_bias = bias + rate * (fit - bias)
     if center:
         new_bias = new_bias - new_bias.mean()
     return new_bias.astype(jnp.float32)

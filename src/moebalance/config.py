@@ -84,7 +84,9 @@ class Config:
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")
-    routed_bias_update_rate: float = _key(1e-3, "bias step size (gamma); 0 freezes the bias")
+    routed_bias_update_rate: float = _key(-1.0, "bias step size (gamma; for quantile the damping "
+                                          "in (0, 1]); 0 freezes the bias; -1: the rule's default "
+                                          "(sign 1e-3, proportional 1e-4, fraction 1, quantile 1)")
     routed_bias_update_rule: str = _key("sign", "sign | proportional | fraction | quantile")
     routed_bias_freeze_step: int = _key(-1, "bias rate becomes 0 from this step on (-1: never)")
     load_balance_loss_weight: float = _key(0.0, "weight of the sequence-wise balance loss")
@@ -186,7 +188,13 @@ def validate(c: Config) -> None:
     rules = (*BIAS_RULES, "quantile")
     _require(c.routed_bias_update_rule in rules, "routed_bias_update_rule",
              f"unknown rule {c.routed_bias_update_rule!r}; choose one of {rules}")
-    for key in ("routed_bias_update_rate", "load_balance_loss_weight",
+    _require(c.routed_bias_update_rate >= 0 or c.routed_bias_update_rate == -1,
+             "routed_bias_update_rate", f"must be >= 0 (or -1: the rule's default), got "
+             f"{c.routed_bias_update_rate}")
+    _require(c.routed_bias_update_rule != "quantile" or c.routed_bias_update_rate <= 1,
+             "routed_bias_update_rate", "for the quantile rule it is the damping: in [0, 1], got "
+             f"{c.routed_bias_update_rate}")
+    for key in ("load_balance_loss_weight",
                 "global_balance_loss_weight", "router_z_loss_weight", "learning_rate",
                 "adam_weight_decay", "gradient_clipping_threshold"):
         _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")

@@ -53,8 +53,8 @@ def _stream(sim: Simulation):
 
 
 def run(sim: Simulation, rule: str, rate: float | None = None, steps: int = 300) -> dict:
-    """Simulate `steps` steps of balancing with `rule` at `rate` (None: its default;
-    Quantile Balancing has no rate).
+    """Simulate `steps` steps of balancing with `rule` at `rate` (None: its default; for
+    Quantile Balancing the damping, 1.0 = as published).
 
     Returns numpy arrays: counts [steps, E] (the routing of each step, before its update),
     bias [steps, E] (after each step's update), maxvio [steps].
@@ -70,7 +70,7 @@ def run(sim: Simulation, rule: str, rate: float | None = None, steps: int = 300)
         indices, _, scores = routing.route(logits_at(i, key), bias, k=sim.k, score_fn=sim.score_fn)
         counts = balancing.expert_counts(indices, sim.num_experts)
         if rule == "quantile":
-            new_bias = balancing.quantile_bias(scores, bias, sim.k, center=True)
+            new_bias = balancing.quantile_bias(scores, bias, sim.k, center=True, rate=rate)
         else:
             new_bias = balancing.update_bias(bias, counts, rule=rule, rate=rate)
         return new_bias, (counts, new_bias)

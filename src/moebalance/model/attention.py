@@ -15,8 +15,10 @@ an entry qualifies iff the first token it pools does). On r = 4 layers (CSA) the
 lightning indexer keeps the `index_topk` best of those entries per query; on other ratios (HCA,
 r = 128) all visible entries are attended.
 
-The attention here materialises [S, S] and [S, n] logits: right for the sequence lengths of the
-configs trained on CPU; long-context kernels are future work.
+Cost: the window is computed in chunks of W queries against their own and the previous chunk
+([S, 2W] logits, not [S, S]); CSA layers gather the indexer's top-k entries per query ([S, k]);
+HCA layers attend their S/r entries densely ([S, S/r]). Only the indexer scores all [S, S/4]
+entries (as in DeepSeek's design). Long-context kernels are future work.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moebalance.model.layers import RMSNorm, apply_rope, constant, dense_init, rms, rope_angles
@@ -58,13 +61,6 @@ def visible_entries(num_queries: int, num_entries: int, ratio: int) -> jax.Array
     return i < (t + 1) // ratio
 
 
-def window_mask(num_queries: int, window: int) -> jax.Array:
-    """[S, S] bool: key j is visible to query t iff t - window < j <= t."""
-    t = jnp.arange(num_queries)[:, None]
-    j = jnp.arange(num_queries)[None, :]
-    return (j <= t) & (j > t - window)
-
-
 def entry_segments(segment_ids: jax.Array, num_entries: int, ratio: int) -> jax.Array:
     """[B, S] -> [B, n]: the segment of the first token compressed entry i pools (token (i-1)*r
     for the overlapping r = 4 compressor, whose entry i also pools block i-1; else i*r)."""
@@ -72,6 +68,44 @@ def entry_segments(segment_ids: jax.Array, num_entries: int, ratio: int) -> jax.
     if ratio == 4:
         first = jnp.maximum(first - ratio, 0)
     return segment_ids[:, first]
+
+
+def _chunks(x: jax.Array, size: int, fill) -> jax.Array:
+    """[B, S, ...] -> [B, S'/size, size, ...], padded with `fill` up to a multiple of size."""
+    pad = -x.shape[1] % size
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    return x.reshape(x.shape[0], -1, size, *x.shape[2:])
+
+
+def _with_previous(chunks: jax.Array, fill) -> jax.Array:
+    """[B, C, W, ...] -> [B, C, 2W, ...]: each chunk preceded by the one before it."""
+    previous = jnp.pad(chunks[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (chunks.ndim - 2),
+                       constant_values=fill)
+    return jnp.concatenate([previous, chunks], axis=2)
+
+
+def _window_part(q, kv, segment_ids, window: int, scale: float):
+    """Sliding-window logits, computed per chunk of `window` queries against that chunk and the
+    one before (the only keys a window can reach): q [B, S, H, hd], kv [B, S, hd] ->
+    (logits [B, H, S, 2W] with invisible keys at NEG_INF, probs [B, H, S, 2W] -> [B, S, H, hd])."""
+    b, s, h, _ = q.shape
+    w = window
+    qc = _chunks(q, w, 0.0)  # [B, C, W, H, hd]
+    keys = _with_previous(_chunks(kv, w, 0.0), 0.0)  # [B, C, 2W, hd]
+    seg_q = _chunks(segment_ids, w, -1)  # [B, C, W]
+    seg_k = _with_previous(seg_q, -2)  # [B, C, 2W]; -1 / -2 never match a real segment
+    offset = jnp.arange(w)[:, None] + w - jnp.arange(2 * w)[None, :]  # t - j within a chunk pair
+    visible = ((offset >= 0) & (offset < w))[None, None] & (
+        seg_q[..., :, None] == seg_k[..., None, :])  # [B, C, W, 2W]
+    logits = jnp.einsum("bcqhd,bckd->bhcqk", qc, keys) * scale
+    logits = jnp.where(visible[:, None], logits, NEG_INF)
+    logits = logits.reshape(b, h, -1, 2 * w)[:, :, :s]  # [B, H, S, 2W]
+
+    def combine(probs):
+        p = _chunks(probs.transpose(0, 2, 1, 3), w, 0.0)  # [B, C, W, H, 2W]
+        return jnp.einsum("bcqhk,bckd->bcqhd", p, keys).reshape(b, -1, h, kv.shape[-1])[:, :s]
+
+    return logits, combine
 
 
 class Compressor(nnx.Module):
@@ -128,9 +162,9 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(dims.emb_dim, dims.index_head_dim, dims.ratio,
                                      dims.rope_dim, dims.eps, rngs)
 
-    def __call__(self, x, qr, cos, sin, freqs, visible) -> jax.Array:
-        """visible [B, S, n] (causality and segments) -> [B, S, n] bool: entries each query
-        attends."""
+    def __call__(self, x, qr, cos, sin, freqs, visible) -> tuple[jax.Array, jax.Array]:
+        """visible [B, S, n] (causality and segments) -> (indices [B, S, k] int32 of the entries
+        each query attends, valid [B, S, k] bool: False where fewer than k are visible)."""
         c = self.dims
         b, s, _ = x.shape
         q = (qr @ self.wq_b[...].astype(qr.dtype)).reshape(b, s, c.index_heads, c.index_head_dim)
@@ -142,9 +176,8 @@ class Indexer(nnx.Module):
         score = jnp.einsum("bsh,bshn->bsn", w, jax.nn.relu(score))  # [B, S, n]
         score = jnp.where(visible, score, -jnp.inf)
         k = min(c.index_topk, keys.shape[1])
-        _, top = jax.lax.top_k(score, k)
-        chosen = jax.nn.one_hot(top, keys.shape[1], dtype=bool).any(-2)  # [B, S, n]
-        return jax.lax.stop_gradient(chosen & visible)
+        _, top = jax.lax.top_k(jax.lax.stop_gradient(score), k)  # [B, S, k]
+        return top, jnp.take_along_axis(visible, top, axis=-1)
 
 
 class Attention(nnx.Module):
@@ -178,25 +211,31 @@ class Attention(nnx.Module):
         q = apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None])  # [B, S, H, hd] f32
         kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), cos, sin)  # [B, S, hd]
         scale = c.head_dim ** -0.5
-        logits = jnp.einsum("bshd,btd->bhst", q, kv.astype(jnp.float32)) * scale
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
-        visible_keys = window_mask(s, c.window)[None] & same
-        logits = jnp.where(visible_keys[:, None], logits, NEG_INF)  # [B, H, S, S]
-        values = [kv.astype(jnp.float32)]
+        kv = kv.astype(jnp.float32)
+        logits, values = [], []  # per part: [B, H, S, keys] and how to combine its probabilities
+        chunked_logits, combine_window = _window_part(q, kv, segment_ids, c.window, scale)
+        logits.append(chunked_logits)
+        values.append(combine_window)
         if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
             ckv = self.compressor(x, freqs)  # [B, n, hd]
             n = ckv.shape[1]
             visible = visible_entries(s, n, c.ratio)[None] & (
                 segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
-            if self.indexer is not None:
-                visible = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, n]
-            clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
-            logits = jnp.concatenate(
-                [logits, jnp.where(visible[:, None], clogits, NEG_INF)], axis=-1)
-            values.append(ckv)
+            if self.indexer is not None:  # CSA: the indexer's top-k entries, gathered
+                top, valid = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, k]
+                entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
+                clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+                logits.append(jnp.where(valid[:, None], clogits, NEG_INF))
+                values.append(lambda p, e=entries: jnp.einsum("bhsk,bskd->bshd", p, e))
+            else:  # HCA: every visible entry
+                clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
+                logits.append(jnp.where(visible[:, None], clogits, NEG_INF))
+                values.append(lambda p, e=ckv: jnp.einsum("bhsn,bnd->bshd", p, e))
         sink = jnp.broadcast_to(self.attn_sink[...][None, :, None, None], (b, c.heads, s, 1))
-        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-        o = jnp.einsum("bhst,btd->bshd", probs, jnp.concatenate(values, axis=1))  # [B,S,H,hd]
+        probs = jax.nn.softmax(jnp.concatenate([*logits, sink], axis=-1), axis=-1)
+        widths = np.cumsum([part.shape[-1] for part in logits])[:-1]
+        o = sum(combine(p) for combine, p in zip(values, jnp.split(probs[..., :-1], widths,
+                                                                      axis=-1)))  # [B,S,H,hd]
         o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True).astype(dt)
         o = o.reshape(b, s, c.o_groups, -1)  # [B, S, G, H/G * hd]
         o = jnp.einsum("bsgk,gkr->bsgr", o, self.wo_a[...].astype(dt)).reshape(b, s, -1)

@@ -97,7 +97,10 @@ def bias_rate(cfg: Config, step):
     if not cfg.routed_bias:
         return jnp.float32(0.0)
     freeze = cfg.routed_bias_freeze_step if cfg.routed_bias_freeze_step >= 0 else None
-    return balancing.rate_schedule(cfg.routed_bias_update_rate, freeze)(step)
+    rate = cfg.routed_bias_update_rate
+    if rate < 0:
+        rate = balancing.DEFAULT_RATES[cfg.routed_bias_update_rule]
+    return balancing.rate_schedule(rate, freeze)(step)
 
 
 def make_train_step(cfg: Config, model: DeepSeekV4):
@@ -136,8 +139,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4):
             if cfg.routed_bias_update_rule == "quantile":
                 flat = scores.swapaxes(0, 1).reshape(len(routed), -1, cfg.num_experts)
                 new = jax.vmap(lambda s, b: balancing.quantile_bias(
-                    s, b, cfg.num_experts_per_tok))(flat, biases)
-                new = jnp.where(rate > 0, new, biases)
+                    s, b, cfg.num_experts_per_tok, rate=rate))(flat, biases)
             else:
                 new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
                                             rule=cfg.routed_bias_update_rule, rate=rate)

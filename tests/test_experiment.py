@@ -1,0 +1,77 @@
+import json
+
+import numpy as np
+import pytest
+
+from moebalance import cli
+from moebalance.config import ConfigError, load_config
+from moebalance.experiment import ab, without_balancing
+from moebalance.metrics import load_stats, sampling_floor
+from moebalance.training.loop import RunDirError
+
+AB = dict(steps=4, max_target_length=64, per_device_batch_size=4, routed_bias_update_rule="quantile",
+          routed_bias_update_rate=1.0, load_balance_loss_weight=1e-3, checkpoint_period=2)
+ROW_KEYS = {"layer", "routing", "var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a",
+            "maxvio_b"}
+
+
+def test_run_a_has_every_balancing_mechanism_off():
+    cfg = load_config("deepseek4-smoke", {**AB, "global_balance_loss_weight": 1e-2,
+                                          "router_z_loss_weight": 1e-3})
+    a = without_balancing(cfg)
+    assert (a.routed_bias, a.routed_bias_update_rate, a.load_balance_loss_weight,
+            a.global_balance_loss_weight) == (False, 0.0, 0.0, 0.0)
+    assert a.router_z_loss_weight == cfg.router_z_loss_weight and a.seed == cfg.seed
+
+
+def test_ab_end_to_end(tmp_path):
+    out = tmp_path / "exp"
+    table = ab(load_config("deepseek4-smoke", AB), out, progress=False)
+    saved = json.loads((out / "table.json").read_text())
+    assert saved == json.loads(json.dumps(table))
+    assert [set(r) for r in saved["rows"]] == [ROW_KEYS] * 4
+    assert ROW_KEYS | {"loss_a", "loss_b", "steps", "tokens_per_step"} <= set(saved["total"])
+    assert [r["routing"] for r in saved["rows"]] == ["hash", "hash", "topk", "topk"]
+    # the table is the probe counts' population variance, recomputed here from the raw counts
+    probes = {run: json.loads((out / run / "probe_counts.json").read_text())
+              for run in ("run_a", "run_b")}
+    assert probes["run_a"]["counts"]["0"] == probes["run_b"]["counts"]["0"]
+    for run, key in (("run_a", "var_a"), ("run_b", "var_b")):
+        var = load_stats(np.asarray(probes[run]["counts"]["4"]))["variance"]
+        np.testing.assert_allclose([r[key] for r in saved["rows"]], var)
+    assert probes["run_a"]["tokens"] == 4 * 64
+    assert saved["rows"][0]["floor"] == pytest.approx(sampling_floor(256, 2, 8))
+    topk = [r for r in saved["rows"] if r["routing"] == "topk"]
+    assert saved["total"]["var_b"] == pytest.approx(sum(r["var_b"] for r in topk))
+    # Run B is better balanced than Run A; hash layers are the same in both
+    assert saved["total"]["var_b"] < saved["total"]["var_a"]
+    assert all(r["var_a"] == r["var_b"] for r in saved["rows"] if r["routing"] == "hash")
+    assert "Step 4 Var (Run B)" in (out / "table.md").read_text()
+    assert (out / "report.html").read_text().count("data:image/png;base64") == 4
+    # neither the experiment nor its runs are overwritten silently
+    with pytest.raises(RunDirError, match="--resume"):
+        ab(load_config("deepseek4-smoke", AB), out, progress=False)
+    # a finished experiment resumes to the same table without training again
+    again = ab(load_config("deepseek4-smoke", AB), out, resume=True, progress=False)
+    assert json.loads(json.dumps(again)) == saved
+
+
+def test_report_command_compares_runs(tmp_path, capsys):
+    base = ["deepseek4-smoke", "steps=2", "max_target_length=32", "per_device_batch_size=2"]
+    for name, rule in (("sign", "sign"), ("quantile", "quantile")):
+        assert cli.main(["train", *base, f"routed_bias_update_rule={rule}",
+                         "--out", str(tmp_path / name)]) == 0
+    assert cli.main(["report", str(tmp_path / "sign"), str(tmp_path / "quantile"),
+                     "--out", str(tmp_path / "cmp")]) == 0
+    table = json.loads((tmp_path / "cmp" / "table.json").read_text())
+    assert table["runs"] == ["sign", "quantile"]
+    assert cli.main(["report", str(tmp_path / "sign"), "--out", str(tmp_path / "cmp")]) == 2
+    assert "already" in capsys.readouterr().err
+
+
+def test_rate_checks():
+    with pytest.raises(ConfigError, match="routed_bias_update_rate"):
+        load_config("deepseek4-smoke", {"routed_bias_update_rule": "quantile",
+                                        "routed_bias_update_rate": 2.0})
+    with pytest.raises(ConfigError, match="routed_bias_update_rate"):
+        load_config("deepseek4-smoke", {"routed_bias_update_rate": -0.5})
