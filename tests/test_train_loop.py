@@ -110,3 +110,62 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
         states.append(nnx.to_flat_state(nnx.state(model)))
     for (p, va), (_, vb) in zip(*states):
         np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(p))
+
+
+def _tensorboard_tags(directory) -> dict[str, list[int]]:
+    """Read TensorBoard event files (TFRecord framing + Event protos) -> {tag: [steps]}."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    tags = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        raw = path.read_bytes()
+        at = 0
+        while at < len(raw):
+            (length,) = struct.unpack("<Q", raw[at:at + 8])
+            event = Event.FromString(raw[at + 12: at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                tags.setdefault(value.tag, []).append(event.step)
+    return tags
+
+
+def test_text_run_packs_documents_writes_tensorboard_and_evaluates(tmp_path):
+    from test_data import text_config, write_corpus
+
+    root = tmp_path / "corpus"
+    write_corpus(root, n_docs=12)
+    cfg = text_config(tmp_path, root, steps=3, per_device_batch_size=2,
+                      gradient_accumulation_steps=1, hash_table="balanced")
+    train(cfg, tmp_path / "run", progress=False)
+    run = tmp_path / "run"
+    tags = _tensorboard_tags(run / "tensorboard")
+    assert tags["train/loss"] == [0, 1, 2] and tags["layer_03/maxvio"] == [0, 1, 2]
+    assert "layer_02/bias_std" in tags and "layer_00/bias_std" not in tags  # hash: no bias
+    probe = json.loads((run / "probe_counts.json").read_text())
+    assert list(probe["counts"]) == ["0", "3"] and probe["tokens"] == 2 * 16
+    result = evaluate(run)
+    assert result["step"] == 3 and np.isfinite(result["loss"]) and result["batches"] >= 1
+
+
+def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
+    from test_data import text_config, write_corpus
+
+    from moebalance.config import ConfigError
+    from moebalance.data import DataError
+
+    root = tmp_path / "corpus"
+    write_corpus(root)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="dataset_path"):
+        train(text_config(tmp_path, empty), tmp_path / "run", progress=False)
+    with pytest.raises(DataError, match="max_target_length"):
+        train(text_config(tmp_path, root, max_target_length=4096), tmp_path / "run",
+              progress=False)
+    with pytest.raises(ConfigError, match="tokenizer_vocab_size"):
+        text_config(tmp_path, root, vocab_size=256)
+    with pytest.raises(ConfigError, match="max_target_length"):
+        load_config("deepseek4-smoke", {"max_target_length": 10**6})
+    assert not (tmp_path / "run").exists()

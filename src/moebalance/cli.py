@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from moebalance import __version__
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     from moebalance.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    log = logging.getLogger("moebalance")  # our progress notes (data building), not libraries'
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler(sys.stderr))
+        log.setLevel(logging.INFO)
     if getattr(args, "steps", 2) < 2:
         print("moebalance: --steps must be at least 2", file=sys.stderr)
         return 2

@@ -179,6 +179,11 @@ def validate(c: Config) -> None:
     _require(c.remat_policy in ("none", "full"), "remat_policy",
              f"must be 'none' or 'full', got {c.remat_policy!r}")
     _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
+    longest = int(c.original_max_position_embeddings * c.rope_factor)
+    _require(c.max_target_length <= longest, "max_target_length",
+             f"{c.max_target_length} is longer than the model supports: "
+             f"original_max_position_embeddings x rope_factor = {longest}; shorten it or raise "
+             "rope_factor (YaRN)")
     from moebalance.routing import HASH_TABLES
 
     _require(c.hash_table in HASH_TABLES, "hash_table",

@@ -51,12 +51,18 @@ class RunDirError(FileExistsError):
     pass
 
 
-def prepare_run_dir(out: Path, overwrite: bool) -> None:
-    """Create `out`; refuse one that already holds a run unless `overwrite` is given."""
+def check_run_dir(out: Path, overwrite: bool) -> list[str]:
+    """The run files already in `out`; refuses them unless `overwrite` is given."""
     existing = [f for f in (*RUN_FILES, "checkpoints") if (out / f).exists()]
     if existing and not overwrite:
         raise RunDirError(f"{out} already holds a run ({', '.join(existing)}); pass --resume to "
                           "continue it, --overwrite to replace it, or choose another --out")
+    return existing
+
+
+def prepare_run_dir(out: Path, overwrite: bool) -> None:
+    """Create `out`, emptied of an earlier run (only with `overwrite`)."""
+    existing = check_run_dir(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     for f in existing:
         if (out / f).is_dir():
@@ -171,12 +177,13 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         if saved != cfg:
             raise RunDirError(f"{out} was started with another config; resume it with its own "
                               f"config.yaml")
-    elif writer_process:
-        prepare_run_dir(out, overwrite)
+    else:
+        check_run_dir(out, overwrite)
     mesh = sharding.make_mesh(cfg)
     train_data = data.batches(cfg, "train")  # checks the data before anything is written
     probe = _probe(cfg, mesh)
     if writer_process and not resume:
+        prepare_run_dir(out, overwrite)
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
