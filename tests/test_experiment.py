@@ -9,8 +9,8 @@ from moebalance.experiment import ab, without_balancing
 from moebalance.metrics import load_stats, sampling_floor
 from moebalance.training.loop import RunDirError
 
-AB = dict(steps=4, max_target_length=64, per_device_batch_size=4, routed_bias_update_rule="quantile",
-          routed_bias_update_rate=1.0, load_balance_loss_weight=1e-3, checkpoint_period=2)
+AB = dict(steps=4, max_target_length=64, per_device_batch_size=8, routed_bias_update_rule="quantile",
+          routed_bias_update_rate=0.5, load_balance_loss_weight=1e-3, checkpoint_period=2)
 ROW_KEYS = {"layer", "routing", "var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a",
             "maxvio_b"}
 
@@ -39,8 +39,8 @@ def test_ab_end_to_end(tmp_path):
     for run, key in (("run_a", "var_a"), ("run_b", "var_b")):
         var = load_stats(np.asarray(probes[run]["counts"]["4"]))["variance"]
         np.testing.assert_allclose([r[key] for r in saved["rows"]], var)
-    assert probes["run_a"]["tokens"] == 4 * 64
-    assert saved["rows"][0]["floor"] == pytest.approx(sampling_floor(256, 2, 8))
+    assert probes["run_a"]["tokens"] == 8 * 64
+    assert saved["rows"][0]["floor"] == pytest.approx(sampling_floor(512, 2, 8))
     topk = [r for r in saved["rows"] if r["routing"] == "topk"]
     assert saved["total"]["var_b"] == pytest.approx(sum(r["var_b"] for r in topk))
     # Run B is better balanced than Run A; hash layers are the same in both

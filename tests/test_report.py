@@ -14,7 +14,8 @@ SEED_HEADERS = ["Layer", "Routing", "Step 0 Var (Baseline)", "Step 20 Var (Run A
                 "Step 20 Var (Run B)", "Improvement (A vs B)"]
 ROW_KEYS = {"layer", "routing", "var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a",
             "maxvio_b"}
-TOTAL_KEYS = {"var_step0", "var_a", "var_b", "improvement", "floor", "maxvio_a", "maxvio_b",
+TOTAL_KEYS = {"layer", "routing", "var_step0", "var_a", "var_b", "improvement", "floor",
+              "maxvio_a", "maxvio_b",
               "mean_improvement", "loss_a", "loss_b", "steps", "tokens_per_step"}
 
 

@@ -108,7 +108,8 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int) -> di
 
     Rows: var_step0 / var_a / var_b (population variance of the counts), improvement
     (var_a - var_b) / var_a, floor (the sampling floor of num_tokens tokens), maxvio_a / maxvio_b.
-    Total, over the top-K layers only: summed variances and floors, improvement as the ratio of the
+    Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors, improvement
+    as the ratio of the
     sums (the seed's 47.90%), mean MaxVio, and mean_improvement (the mean of the per-layer ratios,
     the seed's 50.97%).
     """
@@ -122,7 +123,8 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int) -> di
              "maxvio_b": float(maxvio_b[layer])} for layer, kind in enumerate(routing)]
     topk = [r for r in rows if r["routing"] == "topk"]
     sums = {key: sum(r[key] for r in topk) for key in ("var_step0", "var_a", "var_b", "floor")}
-    total = {**sums, "improvement": _improvement(sums["var_a"], sums["var_b"]),
+    total = {"layer": "TOTAL/AVG", "routing": "topk", **sums,
+             "improvement": _improvement(sums["var_a"], sums["var_b"]),
              "maxvio_a": _mean([r["maxvio_a"] for r in topk]),
              "maxvio_b": _mean([r["maxvio_b"] for r in topk]),
              "mean_improvement": _mean([r["improvement"] for r in topk])}
