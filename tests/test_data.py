@@ -307,7 +307,7 @@ def test_tokenizer_smaller_than_the_byte_alphabet_is_an_error(tmp_path, corpus):
 def test_corpus_too_small_for_the_sequence_is_an_error(tmp_path, corpus):
     root, _ = corpus
     with pytest.raises(data.DataError, match="too small.*max_target_length"):
-        data.TextBatches(text_config(tmp_path, root, max_target_length=100_000), "train")
+        data.TextBatches(text_config(tmp_path, root, max_target_length=50_000), "train")
 
 
 def test_batch_not_divisible_by_processes_is_an_error(tmp_path, corpus):
