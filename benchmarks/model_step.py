@@ -1,9 +1,9 @@
 """Compile time and training-step throughput of a DeepSeek-V4 config (default deepseek4-tiny).
 
-One step = the trainer's jitted step (forward, losses, backward, AdamW, bias update) on synthetic
-tokens. Prints one JSON line per dtype:
-model init time, compile time (first call), mean step time over the next `--steps` calls and
-tokens/s.
+One step = the trainer's jitted step (forward, losses, backward, AdamW, bias update) on the
+config's data (text for deepseek4-tiny; the tokenizer is built once and cached). Prints one JSON
+line per dtype: model and data init time, compile time (first call), mean step time over the next
+`--steps` calls and tokens/s.
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
                                     [--steps 5] [--dtypes float32,bfloat16] [key=value ...]
@@ -16,23 +16,24 @@ import json
 import time
 
 import jax
-from flax import nnx
 
 from moebalance.config import load_config
-from moebalance.model.transformer import DeepSeekV4
 from moebalance.data import batches
-from moebalance.training.step import make_optimizer, make_train_step
+from moebalance.training import sharding
+from moebalance.training.loop import build
+from moebalance.training.step import make_train_step
 
 
 def bench(config, overrides, batch, seq, steps, dtype):
     cfg = load_config(config, [*overrides, f"dtype={dtype}", f"max_target_length={seq}",
                                f"per_device_batch_size={batch // jax.device_count()}"])
     start = time.perf_counter()
-    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    mesh = sharding.make_mesh(cfg)
+    data = batches(cfg)  # text configs: the cached tokenizer and streams
+    model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     step = make_train_step(cfg, model)
-    data = batches(cfg).batch(0)
+    data = sharding.global_batch(mesh, *data.batch(0))
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, *data))
     compile_s = time.perf_counter() - start

@@ -194,7 +194,7 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
 
 def test_tiny_config_trains_on_a_fixed_batch():
     cfg = load_config("deepseek4-tiny", dict(max_target_length=32, steps=8, learning_rate=3e-3,
-                                             warmup_steps_fraction=0.0))
+                                             warmup_steps_fraction=0.0, hash_table="random"))
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     step = make_train_step(cfg, model)
