@@ -21,11 +21,16 @@ def run_on(devices: int, out: Path, *overrides: str) -> dict:
     return dict(np.load(out))
 
 
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """The 1-device reference run, shared by the mesh shapes."""
+    return run_on(1, tmp_path_factory.mktemp("one") / "one.npz")
+
+
 @pytest.mark.parametrize("mesh,shape", [
     (("ici_fsdp_parallelism=-1",), [1, 8, 1]),
     (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1])])
-def test_one_device_equals_eight(tmp_path, mesh, shape):
-    one = run_on(1, tmp_path / "one.npz")
+def test_one_device_equals_eight(tmp_path, one, mesh, shape):
     eight = run_on(8, tmp_path / "eight.npz", *mesh)
     assert list(one["mesh"]) == [1, 1, 1] and list(eight["mesh"]) == shape
     assert "fsdp" in str(eight["embed_spec"])  # parameters really are split
