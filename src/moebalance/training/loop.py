@@ -146,7 +146,9 @@ def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int) ->
         "tokens": tokens, "routing": ["topk" if i in routed else "hash"
                                       for i in range(len(counts))], "counts": {}}
     probe["counts"][str(key)] = np.asarray(counts).tolist()
-    path.write_text(json.dumps(probe))
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(probe))
+    partial.replace(path)  # atomic: a crash leaves the previous file whole
 
 
 def _tensorboard(writer, record: dict) -> None:
