@@ -32,7 +32,7 @@ def bench(config, overrides, batch, seq, steps, dtype):
     data = batches(cfg)  # text configs: the cached tokenizer and streams
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
-    step = make_train_step(cfg, model)
+    step = make_train_step(cfg, model, mesh)
     data = sharding.global_batch(mesh, *data.batch(0))
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, *data))

@@ -1,5 +1,6 @@
 """Helper for test_sharding: train 3 steps of a small config on however many CPU devices this
-process has (set by XLA_FLAGS before JAX starts) and dump counts, biases and losses."""
+process has (set by XLA_FLAGS before JAX starts) and dump counts, biases, losses and the router and
+output logits of the trained model on the first batch."""
 
 import sys
 
@@ -12,7 +13,7 @@ from moebalance.data import batches
 from moebalance.model.transformer import get_biases
 from moebalance.training import sharding
 from moebalance.training.loop import build
-from moebalance.training.step import make_train_step
+from moebalance.training.step import make_train_step, on_mesh
 
 GLOBAL_BATCH = 8
 
@@ -24,17 +25,27 @@ def main(out: str, *overrides: str):
                                           "load_balance_loss_weight=1e-3", *overrides])
     mesh = sharding.make_mesh(cfg)
     model, optimizer = build(cfg, mesh)
-    step = make_train_step(cfg, model)
+    step = make_train_step(cfg, model, mesh)
     data = batches(cfg)
     results = {"counts": [], "loss": [], "grad_norm": []}
     for i in range(3):
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
+    tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
+
+    @nnx.jit
+    def forward(model, tokens, segment_ids):
+        out = model(tokens[:, :-1], segment_ids=segment_ids)
+        return out.logits, out.routing.logits
+
+    logits, router_logits = jax.device_get(on_mesh(forward, mesh)(model, tokens[0], segment_ids[0]))
     embed = model.embed[...]
+    expert_weights = model.segments[-1].ffn.w1[...]  # a top-k block's routed experts [E, D, F]
     np.savez(out, devices=devices, mesh=np.asarray(list(mesh.shape.values())),
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
-             embed=np.asarray(embed), **{k: np.stack(v) for k, v in results.items()})
+             expert_spec=str(expert_weights.sharding.spec), logits=logits,
+             router_logits=router_logits, embed=np.asarray(embed), **{k: np.stack(v) for k, v in results.items()})
 
 
 if __name__ == "__main__":

@@ -28,20 +28,32 @@ def one(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh,shape", [
-    (("ici_fsdp_parallelism=-1",), [1, 8, 1]),
-    (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1])])
+    (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1]),
+    (("ici_data_parallelism=2", "ici_expert_parallelism=4"), [2, 1, 4]),
+    (("ici_fsdp_parallelism=2", "ici_expert_parallelism=4", "ep_buffer_factor=0"), [1, 2, 4]),
+    (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), [1, 1, 8])])
 def test_one_device_equals_eight(tmp_path, one, mesh, shape):
+    """3 training steps of 2 micro-batches on 8 devices (expert parallelism where the `expert`
+    axis is > 1) against 1 device: counts exactly, every float to 1e-5."""
     eight = run_on(8, tmp_path / "eight.npz", *mesh)
     assert list(one["mesh"]) == [1, 1, 1] and list(eight["mesh"]) == shape
-    assert "fsdp" in str(eight["embed_spec"])  # parameters really are split
+    data, fsdp, expert = shape
+    assert ("fsdp" in str(eight["embed_spec"])) == (fsdp > 1)  # parameters really are split
+    assert ("expert" in str(eight["expert_spec"])) == (expert > 1)  # and so are the experts
     np.testing.assert_array_equal(eight["counts"], one["counts"])  # exact, every step and block
-    for key in ("loss", "grad_norm", "bias", "embed"):
-        np.testing.assert_allclose(eight[key], one[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for key in ("loss", "grad_norm", "bias", "embed", "logits", "router_logits"):
+        np.testing.assert_allclose(eight[key], one[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
 def test_mesh_shape_and_errors():
     cfg = load_config("deepseek4-smoke", {"ici_data_parallelism": 2})
     assert sharding.mesh_shape(cfg, 8) == (2, 4, 1)
+    expert = load_config("deepseek4-smoke", {"ici_fsdp_parallelism": 1,
+                                             "ici_expert_parallelism": -1})
+    assert sharding.mesh_shape(expert, 8) == (1, 1, 8)
+    with pytest.raises(ConfigError, match="`num_experts` / `ici_expert_parallelism`: 8 experts "
+                                          "do not split over 16"):
+        sharding.mesh_shape(expert, 16)
     with pytest.raises(ConfigError, match="do not divide the 7 devices"):
         sharding.mesh_shape(cfg, 7)
     both = load_config("deepseek4-smoke", {"ici_data_parallelism": -1})

@@ -118,6 +118,13 @@ class Config:
     # --- devices ---
     ici_data_parallelism: int = _key(1, "mesh axis `data` size (-1: the devices left)")
     ici_fsdp_parallelism: int = _key(-1, "mesh axis `fsdp` size (-1: the devices left)")
+    ici_expert_parallelism: int = _key(1, "mesh axis `expert` size: routed experts split over it "
+                                       "(-1: the devices left)")
+    ep_buffer_factor: float = _key(2.0, "expert parallelism: fast-path send slots per rank = "
+                                   "ceil(f * local assignments / ranks); a step that does not fit "
+                                   "takes the worst-case buffer (dropless either way; <= 0: always)")
+    routed_device_limit: int = _key(0, "device-limited routing: a token's experts on at most this "
+                                    "many expert-parallel ranks (DeepSeek-V3's M; 0 = off)")
     jax_distributed_initialization: bool = _key(False, "call jax.distributed.initialize (multi-host)")
     distributed_coordinator: str = _key("", "coordinator host:port ('' : let JAX discover it)")
     distributed_num_processes: int = _key(0, "number of processes (0: let JAX discover it)")
@@ -134,10 +141,13 @@ class Config:
             num_experts_per_tok=self.num_experts_per_tok, moe_mlp_dim=self.base_moe_mlp_dim,
             shared_experts=self.shared_experts, routed_score_func=self.routed_score_func,
             routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
-            n_routing_groups=self.n_routing_groups, topk_routing_group=self.topk_routing_group,
+            n_routing_groups=(self.ici_expert_parallelism if self.routed_device_limit
+                              else self.n_routing_groups),
+            topk_routing_group=self.routed_device_limit or self.topk_routing_group,
             swiglu_limit=self.swiglu_limit, capacity_factor=self.capacity_factor,
             drop_policy=self.drop_policy, dispatch=self.moe_dispatch,
-            block_size=self.moe_block_size, dtype=self.dtype, weight_dtype=self.weight_dtype,
+            block_size=self.moe_block_size, ep_buffer_factor=self.ep_buffer_factor,
+            dtype=self.dtype, weight_dtype=self.weight_dtype,
         )
 
 
@@ -219,6 +229,17 @@ def validate(c: Config) -> None:
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
              f"must be in [0, 1), got {c.warmup_steps_fraction}")
+    ep = c.ici_expert_parallelism
+    _require(ep >= 1 or ep == -1, "ici_expert_parallelism", f"must be >= 1 or -1, got {ep}")
+    _require(ep < 1 or c.num_experts % ep == 0, "ici_expert_parallelism",
+             f"num_experts={c.num_experts} is not divisible by {ep} expert-parallel ranks; choose "
+             f"a divisor of num_experts")
+    if c.routed_device_limit:
+        _require(ep >= 2, "routed_device_limit", f"needs ici_expert_parallelism >= 2 set "
+                 f"explicitly (the ranks are the routing groups), got {ep}")
+        _require(c.n_routing_groups == 0, "routed_device_limit",
+                 "replaces n_routing_groups / topk_routing_group (groups = expert-parallel "
+                 "ranks); set n_routing_groups=0")
     try:
         c.moe_config()
     except (ValueError, TypeError) as err:

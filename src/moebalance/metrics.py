@@ -63,3 +63,17 @@ def sampling_floor(num_tokens: int, k: int, num_experts: int) -> float:
 def maxvio_global(batch_counts) -> np.ndarray:
     """MaxVio of counts accumulated over many batches: [num_batches, ..., E] -> [...]."""
     return load_stats(np.asarray(batch_counts).astype(np.int64).sum(0))["maxvio"]
+
+
+def rank_loads(counts, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-device view under expert parallelism: counts [..., E] with the experts split in
+    order over `ranks` expert-parallel ranks (E/R each) -> (load [..., R] int64 assignments each
+    rank's experts receive, imbalance [...] = max / mean load: the step waits for the busiest
+    rank, 1.0 = even; 0.0 for an all-zero layer)."""
+    c = np.asarray(counts).astype(np.int64)
+    num_experts = c.shape[-1]
+    if ranks < 1 or num_experts % ranks:
+        raise ValueError(f"{num_experts} experts do not split over {ranks} expert-parallel ranks")
+    load = c.reshape(*c.shape[:-1], ranks, num_experts // ranks).sum(-1)
+    mean = load.mean(-1)
+    return load, np.where(mean > 0, load.max(-1) / np.where(mean > 0, mean, 1.0), 0.0)

@@ -31,7 +31,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moebalance.metrics import load_stats, sampling_floor
+from moebalance.metrics import load_stats, rank_loads, sampling_floor
 
 ROUTING_LABELS = {"hash": "Hash Routed", "topk": "Top-K Routed"}
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
@@ -51,6 +51,7 @@ class Run:
     final_step: int
     routing: tuple[str, ...]  # 'hash' | 'topk' per layer
     tokens: int  # routed tokens of the probe batch
+    ranks: int = 1  # expert-parallel ranks the run trained on (1: no expert parallelism)
 
 
 def load_run(path) -> Run:
@@ -82,8 +83,10 @@ def load_run(path) -> Run:
         if (counts[step].sum(-1) != tokens * k).any():
             raise ValueError(f"{path}: probe counts of step {step} do not sum to tokens * K = "
                              f"{tokens} * {k} in every layer")
+    ranks = len(metrics[-1]["layers"][0].get("rank_load", [0]))
     return Run(name=path.resolve().name, config=config, metrics=metrics, step0=counts[0],
-               final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens)
+               final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens,
+               ranks=ranks)
 
 
 def _variance(counts) -> np.ndarray:
@@ -103,15 +106,16 @@ def _improvement(var_a: float, var_b: float) -> float:
     return (var_a - var_b) / var_a if var_a else 0.0
 
 
-def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int) -> dict:
+def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
+                ranks: int = 1) -> dict:
     """The seed's per-layer table from [L, E] counts: {"rows": [...], "total": {...}}.
 
     Rows: var_step0 / var_a / var_b (population variance of the counts), improvement
-    (var_a - var_b) / var_a, floor (the sampling floor of num_tokens tokens), maxvio_a / maxvio_b.
-    Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors, improvement
-    as the ratio of the
-    sums (the seed's 47.90%), mean MaxVio, and mean_improvement (the mean of the per-layer ratios,
-    the seed's 50.97%).
+    (var_a - var_b) / var_a, floor (the sampling floor of num_tokens tokens), maxvio_a / maxvio_b;
+    with ranks > 1 (expert parallelism) also rank_imbalance_a / _b, the busiest rank's load over
+    the mean. Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors,
+    improvement as the ratio of the sums (the seed's 47.90%), mean MaxVio (and rank imbalance), and
+    mean_improvement (the mean of the per-layer ratios, the seed's 50.97%).
     """
     var0, var_a, var_b = _variance(step0), _variance(final_a), _variance(final_b)
     maxvio_a, maxvio_b = _maxvio(final_a), _maxvio(final_b)
@@ -121,12 +125,18 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int) -> di
              "improvement": _improvement(float(var_a[layer]), float(var_b[layer])),
              "floor": floor, "maxvio_a": float(maxvio_a[layer]),
              "maxvio_b": float(maxvio_b[layer])} for layer, kind in enumerate(routing)]
+    means = ["maxvio_a", "maxvio_b"]
+    if ranks > 1:
+        means += ["rank_imbalance_a", "rank_imbalance_b"]
+        for key, final in (("rank_imbalance_a", final_a), ("rank_imbalance_b", final_b)):
+            imbalance = rank_loads(final, ranks)[1]
+            for row in rows:
+                row[key] = float(imbalance[row["layer"]])
     topk = [r for r in rows if r["routing"] == "topk"]
     sums = {key: sum(r[key] for r in topk) for key in ("var_step0", "var_a", "var_b", "floor")}
     total = {"layer": "TOTAL/AVG", "routing": "topk", **sums,
              "improvement": _improvement(sums["var_a"], sums["var_b"]),
-             "maxvio_a": _mean([r["maxvio_a"] for r in topk]),
-             "maxvio_b": _mean([r["maxvio_b"] for r in topk]),
+             **{key: _mean([r[key] for r in topk]) for key in means},
              "mean_improvement": _mean([r["improvement"] for r in topk])}
     return {"rows": rows, "total": total}
 
@@ -136,20 +146,27 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
 
     {"runs": [names], "same_probe": bool, "rows": [{layer, routing, var_step0: {name: v},
     var: {name: v}, maxvio: {name: v}, floor}], "total": {var_step0, var, maxvio, loss, steps:
-    {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio).
+    {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio). When a
+    run used expert parallelism, rows and total also hold rank_imbalance: {name: busiest rank /
+    mean} (1.0 for runs without it).
     """
     first = runs[0][1]
     floor = sampling_floor(first.tokens, first.config["num_experts_per_tok"], first.step0.shape[-1])
     per_run = {name: {"var_step0": _variance(run.step0), "var": _variance(run.final),
-                      "maxvio": _maxvio(run.final)} for name, run in runs}
+                      "maxvio": _maxvio(run.final),
+                      "rank_imbalance": rank_loads(run.final, run.ranks)[1]}
+               for name, run in runs}
+    keys = ("var_step0", "var", "maxvio") + (
+        ("rank_imbalance",) if any(run.ranks > 1 for _, run in runs) else ())
     rows = [{"layer": layer, "routing": kind,
              **{key: {name: float(stats[key][layer]) for name, stats in per_run.items()}
-                for key in ("var_step0", "var", "maxvio")},
+                for key in keys},
              "floor": floor} for layer, kind in enumerate(first.routing)]
     topk = [r for r in rows if r["routing"] == "topk"]
     total = {key: {name: sum(r[key][name] for r in topk) for name in per_run}
              for key in ("var_step0", "var")}
-    total["maxvio"] = {name: _mean([r["maxvio"][name] for r in topk]) for name in per_run}
+    for key in keys[2:]:
+        total[key] = {name: _mean([r[key][name] for r in topk]) for name in per_run}
     total["floor"] = floor * len(topk)
     total["loss"] = {name: run.metrics[-1]["loss"] for name, run in runs}
     total["steps"] = {name: run.final_step for name, run in runs}
@@ -166,13 +183,17 @@ def _tokens_per_step(config: dict) -> int:
 
 def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     total, n = table["total"], table["total"]["steps"]
+    ranks = "rank_imbalance_a" in total
     headers = ["Layer", "Routing", "Step 0 Var (Baseline)", f"Step {n} Var (Run A)",
-               f"Step {n} Var (Run B)", "Improvement (A vs B)", "Floor", "MaxVio A", "MaxVio B"]
+               f"Step {n} Var (Run B)", "Improvement (A vs B)", "Floor", "MaxVio A", "MaxVio B",
+               *(["EP max/mean A", "EP max/mean B"] if ranks else [])]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
         return [label, routing, *(f"{r[key]:.2f}" for key in ("var_step0", "var_a", "var_b")),
                 f"{100 * r['improvement']:.2f}%", f"{r['floor']:.2f}", f"{r['maxvio_a']:.3f}",
-                f"{r['maxvio_b']:.3f}"]
+                f"{r['maxvio_b']:.3f}",
+                *([f"{r['rank_imbalance_a']:.3f}", f"{r['rank_imbalance_b']:.3f}"] if ranks
+                  else [])]
 
     rows = [cells(str(r["layer"]), ROUTING_LABELS[r["routing"]], r) for r in table["rows"]]
     rows.append(cells("TOTAL/AVG", "Top-K only", total))
@@ -183,18 +204,24 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
              f"per-layer improvements is {100 * total['mean_improvement']:.2f}%.",
              f"{n} steps of {total['tokens_per_step']} tokens. Floor: expected variance of "
              f"perfectly balanced random routing of the probe batch, N (K/E) (1 - K/E)."]
+    if ranks:
+        notes.append("EP max/mean: assignments of the busiest expert-parallel rank over the mean "
+                     "rank (1 = even; the step waits for the busiest device).")
     return headers, rows, notes
 
 
 def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     names, total, same = table["runs"], table["total"], table["same_probe"]
     per_run = ("var", "maxvio") if same else ("var_step0", "var", "maxvio")
-    titles = {"var_step0": "Step 0 Var", "var": "Var", "maxvio": "MaxVio"}
+    per_run += ("rank_imbalance",) if "rank_imbalance" in total else ()
+    titles = {"var_step0": "Step 0 Var", "var": "Var", "maxvio": "MaxVio",
+              "rank_imbalance": "EP max/mean"}
     headers = ["Layer", "Routing", *(["Step 0 Var"] if same else []),
                *(f"{titles[key]} {name}" for name in names for key in per_run), "Floor"]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
-        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "maxvio": "{:.3f}"}
+        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "maxvio": "{:.3f}",
+               "rank_imbalance": "{:.3f}"}
         return [label, routing, *([f"{r['var_step0'][names[0]]:.2f}"] if same else []),
                 *(fmt[key].format(r[key][name]) for name in names for key in per_run),
                 f"{r['floor']:.2f}"]
@@ -439,7 +466,7 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
                          "and model")
     _prepare_out(out, overwrite)
     table = layer_table(a.step0, a.final, b.final, a.routing, a.tokens,
-                        a.config["num_experts_per_tok"])
+                        a.config["num_experts_per_tok"], max(a.ranks, b.ranks))
     table["total"].update(loss_a=a.metrics[-1]["loss"], loss_b=b.metrics[-1]["loss"],
                           steps=a.final_step, tokens_per_step=_tokens_per_step(a.config))
     runs = [(f"A: {a.name}", a), (f"B: {b.name}", b)]

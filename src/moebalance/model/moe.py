@@ -8,6 +8,10 @@ shared experts (0..n) are the same kind of SwiGLU, unweighted. The router's logi
 are float32 whatever the model dtype; the bias is a `RouterBias` variable (never an `nnx.Param`, so
 optimizers built with `wrt=nnx.Param` and `nnx.grad` never touch it), updated by the trainer from the
 layer's `RoutingRecord`. A hash-routed layer holds its token -> experts table as `HashTable` state.
+
+Under a multi-device mesh (`jax.set_mesh`) routing stays on global arrays and the routed experts run
+per device inside `jax.shard_map` (expert_parallel.py): each device dispatches its own tokens, and
+with an `expert` axis > 1 the experts are split over it and tokens travel by all-to-all.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from flax import nnx
 from moebalance import routing
 from moebalance.balancing import expert_counts
 from moebalance.model.dispatch import DROP_POLICIES, gather_rows, plan_dispatch
+from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
 from moebalance.model.layers import constant, dense_init
 from moebalance.routing import RoutingRecord
 
@@ -55,6 +60,7 @@ class MoEConfig:
     drop_policy: str = "probs"  # over capacity: drop lowest weight ('probs') or latest ('position')
     dispatch: str = "auto"  # blocked (CPU) | ragged (ragged_dot, GPU/TPU) | auto
     block_size: int = 256  # rows per block of the blocked dispatch
+    ep_buffer_factor: float = 2.0  # expert parallelism: fast-path send slots (expert_parallel.py)
     dtype: str = "float32"  # activation / matmul dtype
     weight_dtype: str = "float32"  # parameter storage dtype
 
@@ -182,13 +188,14 @@ class MoE(nnx.Module):
             return "blocked" if jax.default_backend() == "cpu" else "ragged"
         return c.dispatch
 
-    def experts(self, rows, row_weights, plan, layout):
-        """Every buffer row through its expert: [P, D], [P, 1] -> [P, D].
+    def expert_mlp(self, rows, row_weights, plan, layout, w1, w3, w2):
+        """Every buffer row through its expert: [P, D], [P, 1] -> [P, D] with w1 / w3 [E', D, F],
+        w2 [E', F, D] (all E experts, or a device's share under expert parallelism).
 
         out = w2 (weight * swiglu(w1 x, w3 x)): the routing weight is applied before w2 (V4).
         """
         c = self.config
-        w1, w3, w2 = (w[...].astype(self.dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (w.astype(self.dtype) for w in (w1, w3, w2))
         if layout == "ragged":
             sizes = plan.counts
             h = swiglu(jax.lax.ragged_dot(rows, w1, sizes), jax.lax.ragged_dot(rows, w3, sizes),
@@ -196,43 +203,59 @@ class MoE(nnx.Module):
             return jax.lax.ragged_dot((h * row_weights).astype(self.dtype), w2, sizes)
         # One expert per block; its weights picked by a one-hot matmul, whose transpose (the weight
         # gradient) is again a matmul rather than a scatter-add.
-        blocks = rows.reshape(-1, plan.block, c.emb_dim)  # [nb, b, D]
-        pick = jax.nn.one_hot(plan.block_expert, c.num_experts, dtype=self.dtype)  # [nb, E]
+        blocks = rows.reshape(-1, plan.block, rows.shape[-1])  # [nb, b, D]
+        pick = jax.nn.one_hot(plan.block_expert, w1.shape[0], dtype=self.dtype)  # [nb, E']
         w1, w3, w2 = (jnp.einsum("ne,e...->n...", pick, w) for w in (w1, w3, w2))  # [nb, ...]
         h = swiglu(jnp.einsum("nbd,ndf->nbf", blocks, w1), jnp.einsum("nbd,ndf->nbf", blocks, w3),
                    c.swiglu_limit)  # [nb, b, F]
         h = (h * row_weights.reshape(*blocks.shape[:2], 1)).astype(self.dtype)
         return jnp.einsum("nbf,nfd->nbd", h, w2).reshape(rows.shape)  # [P, D]
 
-    def __call__(self, x, *, token_ids=None, mask=None):
+    def routed(self, xt, rec, valid):
+        """The routed experts on one device: [T, D] -> ([T, D] float32, dropped [])."""
         c = self.config
-        lead = x.shape[:-1]
-        xt = x.reshape(-1, c.emb_dim).astype(self.dtype)  # [T, D]
-        num_tokens = xt.shape[0]
-        valid = jnp.ones(num_tokens, bool) if mask is None else mask.reshape(-1).astype(bool)
-        with jax.named_scope("route"):
-            rec = self.route(xt, token_ids, valid)
+        num_tokens, k = xt.shape[0], c.num_experts_per_tok
         layout = self._layout(num_tokens)
         with jax.named_scope("dispatch"):
             plan = plan_dispatch(
                 rec.indices, rec.weights, valid, rec.counts, layout=layout,
                 block=c.block_size, capacity=c.capacity(num_tokens), drop_policy=c.drop_policy,
             )
-            k = c.num_experts_per_tok
             rows = gather_rows(jnp.repeat(xt, k, axis=0), plan.row_src, plan.dest)  # [P, D]
             row_w = gather_rows(rec.weights.reshape(-1, 1), plan.row_src, plan.dest)  # [P, 1]
         with jax.named_scope("experts"):
-            out = self.experts(rows, row_w, plan, layout)
+            out = self.expert_mlp(rows, row_w, plan, layout, self.w1[...], self.w3[...],
+                                  self.w2[...])
         with jax.named_scope("combine"):
             y = gather_rows(out, plan.dest, plan.row_src).reshape(num_tokens, k, -1)  # [T, K, D]
-            y = y.sum(1, dtype=jnp.float32)
-            if self.shared is not None:
-                y = y + self.shared(xt).astype(jnp.float32)
+            return y.sum(1, dtype=jnp.float32), plan.dropped
+
+    def __call__(self, x, *, token_ids=None, mask=None):
+        c = self.config
+        lead = x.shape[:-1]
+        xt = x.reshape(-1, c.emb_dim).astype(self.dtype)  # [T, D]
+        num_tokens, k = xt.shape[0], c.num_experts_per_tok
+        valid = jnp.ones(num_tokens, bool) if mask is None else mask.reshape(-1).astype(bool)
+        with jax.named_scope("route"):
+            rec = self.route(xt, token_ids, valid)
+        mesh = active_mesh()
+        if mesh is None:
+            y, dropped = self.routed(xt, rec, valid)
+        else:  # tokens split over the mesh: per-device dispatch, experts over the `expert` axis
+            batch = lead[0] if lead else 1
+            y, dropped = expert_parallel_ffn(
+                xt.reshape(batch, -1, c.emb_dim), rec.indices.reshape(batch, -1, k),
+                rec.weights.reshape(batch, -1, k), valid.reshape(batch, -1),
+                self.w1[...], self.w3[...], self.w2[...], mesh=mesh,
+                expert_mlp=self.expert_mlp, layout=self._layout, config=c)
+            y = y.reshape(num_tokens, c.emb_dim)
+        if self.shared is not None:
+            y = y + self.shared(xt).astype(jnp.float32)
         rec = rec._replace(
             indices=rec.indices.reshape(*lead, k),
             weights=rec.weights.reshape(*lead, k),
             scores=rec.scores.reshape(*lead, c.num_experts),
             logits=rec.logits.reshape(*lead, c.num_experts),
-            dropped=plan.dropped,
+            dropped=dropped,
         )
         return y.astype(self.dtype).reshape(*lead, c.emb_dim), rec

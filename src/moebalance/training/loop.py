@@ -37,7 +37,7 @@ from flax import nnx
 
 from moebalance import data
 from moebalance.config import Config
-from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global
+from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
 from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.routing import build_hash_table
 from moebalance.training import checkpoint, sharding
@@ -82,13 +82,18 @@ def rewind_logs(out: Path, step: int, cfg: Config) -> None:
         f.truncate(step * row)
 
 
-def layer_metrics(counts: np.ndarray, biases: np.ndarray | None, routed: list[int]) -> list[dict]:
-    """Per MoE block: routing kind, load statistics and (top-k blocks) bias statistics."""
+def layer_metrics(counts: np.ndarray, biases: np.ndarray | None, routed: list[int],
+                  ranks: int = 1) -> list[dict]:
+    """Per MoE block: routing kind, load statistics, (top-k blocks) bias statistics and, under
+    expert parallelism (ranks > 1), the assignments each rank receives and their max / mean."""
     stats = load_stats(counts)
+    loads, imbalance = rank_loads(counts, ranks)
     out = []
     for layer in range(counts.shape[0]):
         row = {"layer": layer, "routing": "topk" if layer in routed else "hash"}
         row.update({name: float(stats[name][layer]) for name in STAT_NAMES})
+        if ranks > 1:
+            row.update(rank_load=loads[layer].tolist(), rank_imbalance=float(imbalance[layer]))
         if layer in routed and biases is not None:
             b = biases[routed.index(layer)]
             row.update(bias_mean=float(b.mean()), bias_std=float(b.std()),
@@ -157,8 +162,9 @@ def _tensorboard(writer, record: dict) -> None:
         if key not in ("step", "layers"):
             writer.add_scalar(f"train/{key}", value, step)
     for row in record["layers"]:
-        for stat in ("maxvio", "variance", "cv"):
-            writer.add_scalar(f"layer_{row['layer']:02d}/{stat}", row[stat], step)
+        for stat in ("maxvio", "variance", "cv", "rank_imbalance"):
+            if stat in row:
+                writer.add_scalar(f"layer_{row['layer']:02d}/{stat}", row[stat], step)
         if "bias_std" in row:
             writer.add_scalar(f"layer_{row['layer']:02d}/bias_std", row["bias_std"], step)
     writer.flush()
@@ -194,9 +200,10 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
     if resume and writer_process:
         rewind_logs(out, first, cfg)
-    step_fn = make_train_step(cfg, model)
-    eval_step = make_eval_step(cfg, model)
+    step_fn = make_train_step(cfg, model, mesh)
+    eval_step = make_eval_step(cfg, model, mesh)
     routed = routed_layers(model)
+    ranks = mesh.shape["expert"]
     probe_tokens = int(np.prod(probe[1].shape))
     if first == 0 and writer_process:
         _write_probe(out, 0, jax.device_get(eval_step(model, *probe)["counts"]), routed,
@@ -226,7 +233,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             biases = np.asarray(metrics.pop("bias")) if "bias" in metrics else None
             record = {"step": step, **{k: float(v) for k, v in metrics.items()},
                       "tokens_per_s": tokens_per_step / seconds,
-                      "layers": layer_metrics(counts, biases, routed)}
+                      "layers": layer_metrics(counts, biases, routed, ranks)}
             if writer_process:
                 counts.tofile(counts_file)
                 log.write(json.dumps(record) + "\n")
@@ -286,7 +293,7 @@ def evaluate(run_dir: Path, batches: int | None = None) -> dict:
     model, optimizer = build(cfg, mesh)
     step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
                               model, optimizer)
-    eval_step = make_eval_step(cfg, model)
+    eval_step = make_eval_step(cfg, model, mesh)
     ce_sum = n_tokens = 0.0
     counts = []
     for i in range(batches):

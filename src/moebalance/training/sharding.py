@@ -4,12 +4,14 @@ Mesh axes (MaxText's names):
     data    pure data parallelism: the batch is split, parameters are replicated
     fsdp    fully-sharded data parallelism: the batch is split AND each parameter (and its optimizer
             moments) is split along one axis; XLA gathers it where it is used
-    expert  reserved for expert parallelism (size 1 in this version)
+    expert  expert parallelism: the batch is split, and so are the routed experts (their E axis);
+            tokens reach their experts by all-to-all (model/expert_parallel.py)
 
-The batch [A, B, S(+1)] is split over (data, fsdp) on B; every process feeds its own rows
+The batch [A, B, S(+1)] is split over all three axes on B; every process feeds its own rows
 (`global_batch`). Counts, losses and the bias update are computed on global arrays inside one
 `jax.jit`, so XLA's all-reduces make them identical to the one-device result (counts exactly).
-Router biases, hash tables and scalars stay replicated.
+Router biases, hash tables and scalars stay replicated. Run model code under `jax.set_mesh(mesh)`:
+the MoE layers read the mesh from there.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from moebalance.config import Config, ConfigError
 
 AXES = ("data", "fsdp", "expert")
-BATCH_AXES = ("data", "fsdp")
+ROUTED_EXPERT_WEIGHTS = ("w1", "w2", "w3")  # [(layers,) E, ...] directly under an MoE `ffn`
 
 
 def initialize_distributed(cfg: Config) -> None:
@@ -39,25 +41,28 @@ def initialize_distributed(cfg: Config) -> None:
 
 
 def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, expert) sizes; one of data / fsdp may be -1: all the devices left."""
-    sizes = {"ici_data_parallelism": cfg.ici_data_parallelism,
-             "ici_fsdp_parallelism": cfg.ici_fsdp_parallelism}
+    """(data, fsdp, expert) sizes; one of them may be -1: all the devices left."""
+    keys = ("ici_data_parallelism", "ici_fsdp_parallelism", "ici_expert_parallelism")
+    sizes = {k: getattr(cfg, k) for k in keys}
+    names = " x ".join(f"`{k}`" for k in keys)
     fill = [k for k, v in sizes.items() if v == -1]
     if len(fill) > 1:
-        raise ConfigError("config keys `ici_data_parallelism` and `ici_fsdp_parallelism`: at most "
-                          "one of them may be -1 (fill the remaining devices)")
+        raise ConfigError(f"config keys {names}: at most one of them may be -1 (fill the "
+                          f"remaining devices), got {' and '.join(fill)}")
     fixed = math.prod(v for v in sizes.values() if v != -1)
     if fill:
         if num_devices % fixed:
-            raise ConfigError(f"config keys `ici_data_parallelism` x `ici_fsdp_parallelism`: the "
-                              f"fixed axes ({fixed} devices) do not divide the {num_devices} "
-                              f"devices (`{fill[0]}` = -1 takes the rest)")
+            raise ConfigError(f"config keys {names}: the fixed axes ({fixed} devices) do not "
+                              f"divide the {num_devices} devices (`{fill[0]}` = -1 takes the rest)")
         sizes[fill[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
-        raise ConfigError(f"config keys `ici_data_parallelism` x `ici_fsdp_parallelism` = "
-                          f"{sizes['ici_data_parallelism']} x {sizes['ici_fsdp_parallelism']} must "
+        raise ConfigError(f"config keys {names} = {' x '.join(map(str, sizes.values()))} must "
                           f"equal the {num_devices} devices (set one of them to -1 to fill)")
-    return sizes["ici_data_parallelism"], sizes["ici_fsdp_parallelism"], 1
+    if cfg.num_experts % sizes["ici_expert_parallelism"]:
+        raise ConfigError(f"config keys `num_experts` / `ici_expert_parallelism`: "
+                          f"{cfg.num_experts} experts do not split over "
+                          f"{sizes['ici_expert_parallelism']} expert-parallel ranks")
+    return tuple(sizes.values())
 
 
 def make_mesh(cfg: Config, devices=None) -> Mesh:
@@ -66,16 +71,20 @@ def make_mesh(cfg: Config, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(shape), AXES)
 
 
-def param_spec(path: tuple, shape: tuple, fsdp: int) -> P:
-    """Split the largest axis divisible by the fsdp size (not the layer axis of scanned stacks,
-    which the scan slices); arrays too small to split stay replicated."""
-    stacked = any(getattr(k, "key", k) == "units" for k in path)
-    candidates = [a for a in range(1 if stacked else 0, len(shape))
-                  if shape[a] % fsdp == 0 and shape[a] >= fsdp]
-    if fsdp == 1 or not candidates:
-        return P()
-    axis = max(candidates, key=lambda a: (shape[a], a))
-    return P(*[("fsdp" if a == axis else None) for a in range(len(shape))])
+def param_spec(path: tuple, shape: tuple, fsdp: int, expert: int = 1) -> P:
+    """Routed expert weights: their expert axis over `expert`. Then the largest remaining axis
+    divisible by the fsdp size over `fsdp` (not the layer axis of scanned stacks, which the scan
+    slices); arrays too small to split stay replicated."""
+    names = [getattr(k, "key", k) for k in path]
+    first = 1 if "units" in names else 0
+    spec = [None] * len(shape)
+    if expert > 1 and len(names) >= 2 and names[-2] == "ffn" and names[-1] in ROUTED_EXPERT_WEIGHTS:
+        spec[first] = "expert"
+    candidates = [a for a in range(first, len(shape))
+                  if spec[a] is None and shape[a] % fsdp == 0 and shape[a] >= fsdp]
+    if fsdp > 1 and candidates:
+        spec[max(candidates, key=lambda a: (shape[a], a))] = "fsdp"
+    return P(*spec) if any(spec) else P()
 
 
 def variable_sharding(path: tuple, variable: nnx.Variable, mesh: Mesh) -> NamedSharding:
@@ -85,7 +94,8 @@ def variable_sharding(path: tuple, variable: nnx.Variable, mesh: Mesh) -> NamedS
     is_param = isinstance(variable, nnx.Param) or "mu" in names or "nu" in names
     if not is_param:
         return NamedSharding(mesh, P())
-    return NamedSharding(mesh, param_spec(path, variable.shape, mesh.shape["fsdp"]))
+    return NamedSharding(mesh, param_spec(path, variable.shape, mesh.shape["fsdp"],
+                                          mesh.shape["expert"]))
 
 
 def shard(obj, mesh: Mesh) -> None:
@@ -100,8 +110,8 @@ def shard(obj, mesh: Mesh) -> None:
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """[A, B, ...]: micro-batch axis whole, B split over (data, fsdp)."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, *[None] * (ndim - 2)))
+    """[A, B, ...]: micro-batch axis whole, B split over every mesh axis."""
+    return NamedSharding(mesh, P(None, AXES, *[None] * (ndim - 2)))
 
 
 def global_batch(mesh: Mesh, *local_arrays) -> tuple[jax.Array, ...]:

@@ -13,6 +13,8 @@ blocks (DeepSeek applies alpha per layer); mode 'maxtext' averages them over blo
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -103,9 +105,23 @@ def bias_rate(cfg: Config, step):
     return balancing.rate_schedule(rate, freeze)(step)
 
 
-def make_train_step(cfg: Config, model: DeepSeekV4):
+def on_mesh(fn, mesh):
+    """`fn` run (and so traced) with `mesh` set, where the MoE layers find it; as is without."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def run(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    return run
+
+
+def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, optimizer, tokens [A, B, S+1], mask [A, B, S], segment_ids [A, B, S])
-    returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E])."""
+    returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E]).
+    With a multi-device `mesh` the routed experts run per device (expert parallelism)."""
     routed = routed_layers(model)
 
     @nnx.jit
@@ -147,10 +163,10 @@ def make_train_step(cfg: Config, model: DeepSeekV4):
             metrics["bias"] = new
         return metrics
 
-    return step
+    return on_mesh(step, mesh)
 
 
-def make_eval_step(cfg: Config, model: DeepSeekV4):
+def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], mask [B, S], segment_ids [B, S]) -> {ce_sum, tokens,
     counts}; never touches the bias."""
 
@@ -161,4 +177,4 @@ def make_eval_step(cfg: Config, model: DeepSeekV4):
         m = mask.astype(jnp.float32)
         return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
 
-    return step
+    return on_mesh(step, mesh)
