@@ -8,7 +8,7 @@ import yaml
 from rich.console import Console
 
 from moebalance import report
-from moebalance.metrics import STAT_NAMES, load_stats
+from moebalance.metrics import STAT_NAMES, load_stats, rank_loads
 
 SEED_HEADERS = ["Layer", "Routing", "Step 0 Var (Baseline)", "Step 20 Var (Run A)",
                 "Step 20 Var (Run B)", "Improvement (A vs B)"]
@@ -23,8 +23,9 @@ def quiet_console():
     return Console(file=io.StringIO(), width=200)
 
 
-def write_run(path, step0, final, routing, *, tokens, k, steps=20, final_loss=9.0):
-    """A fake finished run in the trainer's format: counts interpolate from step0 to final."""
+def write_run(path, step0, final, routing, *, tokens, k, steps=20, final_loss=9.0, ranks=1):
+    """A fake finished run in the trainer's format: counts interpolate from step0 to final;
+    ranks > 1: trained with expert parallelism (per-rank loads in the metrics)."""
     step0, final = np.asarray(step0), np.asarray(final)
     path.mkdir(parents=True)
     config = {"num_experts": step0.shape[1], "num_experts_per_tok": k,
@@ -40,6 +41,9 @@ def write_run(path, step0, final, routing, *, tokens, k, steps=20, final_loss=9.
             layers = [{"layer": i, "routing": kind,
                        **{name: float(stats[name][i]) for name in STAT_NAMES}}
                       for i, kind in enumerate(routing)]
+            if ranks > 1:
+                for layer, load in zip(layers, rank_loads(counts, ranks)[0]):
+                    layer["rank_load"] = load.tolist()
             loss = 11.0 + (final_loss - 11.0) * step / max(steps - 1, 1)
             f.write(json.dumps({"step": step, "loss": loss, "ce": loss, "lr": 1e-3,
                                 "grad_norm": 1.0, "tokens_per_s": 1e4, "layers": layers}) + "\n")
@@ -130,6 +134,32 @@ def test_ab_report_files_and_schema(tmp_path):
     assert "<link" not in page and "<script" not in page
     assert "<th>Step 20 Var (Run A)</th>" in page and "82.14%" in page
     assert "Top-K Routed" in console.file.getvalue()  # the printed table
+
+
+def test_expert_parallel_runs_show_the_busiest_rank(tmp_path):
+    """Runs trained with 2 expert-parallel ranks: experts (0, 1) and (2, 3). Layer 2 of Run A,
+    [8, 0, 0, 0], has every assignment on rank 0: max / mean = 8 / 4 = 2."""
+    table = report.layer_table(STEP0, FINAL_A, FINAL_B, ROUTING, num_tokens=4, k=2, ranks=2)
+    assert [(r["rank_imbalance_a"], r["rank_imbalance_b"]) for r in table["rows"]] == [
+        (2.0, 2.0), (1.0, 1.0), (2.0, 1.0)]
+    assert (table["total"]["rank_imbalance_a"], table["total"]["rank_imbalance_b"]) == (1.5, 1.0)
+
+    a = write_run(tmp_path / "a", STEP0, FINAL_A, ROUTING, tokens=4, k=2, ranks=2)
+    b = write_run(tmp_path / "b", STEP0, FINAL_B, ROUTING, tokens=4, k=2, ranks=2)
+    assert report.load_run(a).ranks == 2
+    saved = report.ab_report(a, b, tmp_path / "ab", console=quiet_console())
+    assert saved["total"]["rank_imbalance_a"] == 1.5
+    markdown = (tmp_path / "ab" / "table.md").read_text()
+    assert markdown.splitlines()[0].rstrip().endswith("| EP max/mean A | EP max/mean B |")
+    assert "| TOTAL/AVG | Top-K only | 14.00 | 14.00 | 2.50 | 82.14% | 2.00 | 2.000 | 0.750 " \
+           "| 1.500 | 1.000 |" in markdown
+
+    plain = write_run(tmp_path / "plain", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
+    compared = report.compare_report([a, plain], tmp_path / "cmp", console=quiet_console())
+    assert compared["total"]["rank_imbalance"] == {"a": 1.5, "plain": 1.0}
+    assert "EP max/mean a" in (tmp_path / "cmp" / "table.md").read_text()
+    plain_only = report.compare_report([plain], tmp_path / "cmp1", console=quiet_console())
+    assert "rank_imbalance" not in plain_only["total"]
 
 
 def test_ab_report_rejects_different_step0(tmp_path):
