@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,35 @@ def test_device_limited_routing_config():
         load_config("deepseek4-smoke", {"ici_expert_parallelism": 3})
     with pytest.raises(ConfigError, match="ici_expert_parallelism.*-1"):
         load_config("deepseek4-smoke", {"ici_expert_parallelism": 0})
+
+
+def test_ab_command_with_expert_parallelism(tmp_path):
+    """`moebalance ab` on 4 devices, all of them on the `expert` axis: the table shows each run's
+    busiest rank, and the trainer's per-rank loads are its own counts summed per rank."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    out = tmp_path / "exp"
+    subprocess.run([sys.executable, "-c", "import sys; from moebalance import cli; "
+                    "sys.exit(cli.main(sys.argv[1:]))", "ab", "deepseek4-smoke", "steps=3",
+                    "max_target_length=32", "per_device_batch_size=2", "ici_fsdp_parallelism=1",
+                    "ici_expert_parallelism=4", "--out", str(out)], env=env, check=True)
+    table = json.loads((out / "table.json").read_text())
+    assert all({"rank_imbalance_a", "rank_imbalance_b"} <= set(r) for r in table["rows"])
+    assert table["total"]["rank_imbalance_a"] >= 1.0
+    assert "EP max/mean A" in (out / "table.md").read_text()
+    for run in ("run_a", "run_b"):
+        shape = json.loads((out / run / "expert_counts.json").read_text())["row_shape"]
+        counts = np.fromfile(out / run / "expert_counts.i32", np.int32).reshape(-1, *shape)
+        lines = (out / run / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
+        assert len(metrics) == len(counts) == 3
+        for step, record in zip(counts, metrics):
+            for layer, row in zip(step, record["layers"]):
+                assert row["rank_load"] == row_sums(layer, 4)
+                assert row["rank_imbalance"] == pytest.approx(max(row["rank_load"]) * 4
+                                                              / sum(row["rank_load"]))
+
+
+def row_sums(counts, ranks):
+    per_rank = len(counts) // ranks
+    return [int(sum(counts[r * per_rank:(r + 1) * per_rank])) for r in range(ranks)]
