@@ -37,7 +37,7 @@ def layer(overrides):
 
 @nnx.jit
 def loss_and_grads(model, x, probe):
-    """-> (y, indices, dropped, d loss / d x, {weight: d loss / d weight}) for loss = sum(y * probe)."""
+    """loss = sum(y * probe) -> (y, indices, dropped, d loss / d x, {weight: d loss / d weight})."""
     graphdef, state = nnx.split(model)
 
     def loss(state, x):
@@ -66,7 +66,8 @@ def main(out, case):
     rows = BATCH // groups
     ref = [jax.device_get(loss_and_grads(model, x[g * rows:(g + 1) * rows],
                                          probe[g * rows:(g + 1) * rows])) for g in range(groups)]
-    np.savez(out, all_to_all="all_to_all" in hlo, y=y, indices=indices, dropped=dropped, x_grad=x_grad,
+    np.savez(out, all_to_all="all_to_all" in hlo, y=y, indices=indices, dropped=dropped,
+             x_grad=x_grad,
              ref_y=np.concatenate([r[0] for r in ref]),
              ref_indices=np.concatenate([r[1] for r in ref]),
              ref_dropped=sum(r[2] for r in ref),

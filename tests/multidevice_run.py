@@ -45,7 +45,8 @@ def main(out: str, *overrides: str):
     np.savez(out, devices=devices, mesh=np.asarray(list(mesh.shape.values())),
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
-             router_logits=router_logits, embed=np.asarray(embed), **{k: np.stack(v) for k, v in results.items()})
+             router_logits=router_logits, embed=np.asarray(embed),
+             **{k: np.stack(v) for k, v in results.items()})
 
 
 if __name__ == "__main__":
