@@ -299,6 +299,24 @@ def pack_row(stream: np.ndarray, row: int, seq_len: int, eot_id: int
 # 6. Batches
 
 
+def process_share(cfg: Config, num_processes: int | None, process_index: int | None,
+                  global_batch: int | None) -> tuple[int, int, int]:
+    """-> (global_batch, local_batch, first global row of this process). num_processes /
+    process_index default to jax.process_count() / jax.process_index(); global_batch to
+    per_device_batch_size * jax.device_count()."""
+    num_processes = jax.process_count() if num_processes is None else num_processes
+    process_index = jax.process_index() if process_index is None else process_index
+    if global_batch is None:
+        global_batch = cfg.per_device_batch_size * jax.device_count()
+    if global_batch % num_processes:
+        raise DataError(f"config key `per_device_batch_size`: the global batch {global_batch} "
+                        f"does not split evenly over {num_processes} processes")
+    if not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index {process_index} not in [0, {num_processes})")
+    local_batch = global_batch // num_processes
+    return global_batch, local_batch, process_index * local_batch
+
+
 class TextBatches:
     """Batches of packed rows of one split, for this process.
 
@@ -317,19 +335,11 @@ class TextBatches:
 
     def __init__(self, cfg: Config, split: str = "train", num_processes: int | None = None,
                  process_index: int | None = None, global_batch: int | None = None):
-        """num_processes / process_index default to jax.process_count() / jax.process_index();
-        global_batch to per_device_batch_size * jax.device_count()."""
+        """num_processes, process_index, global_batch: see `process_share`."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        num_processes = jax.process_count() if num_processes is None else num_processes
-        process_index = jax.process_index() if process_index is None else process_index
-        global_batch = (cfg.per_device_batch_size * jax.device_count() if global_batch is None
-                        else global_batch)
-        if global_batch % num_processes:
-            raise DataError(f"config key `per_device_batch_size`: the global batch {global_batch} "
-                            f"does not split evenly over {num_processes} processes")
-        if not 0 <= process_index < num_processes:
-            raise ValueError(f"process_index {process_index} not in [0, {num_processes})")
+        self.global_batch, self.local_batch, self._first = process_share(
+            cfg, num_processes, process_index, global_batch)
         train_docs, eval_docs = split_documents(corpus_documents(cfg), cfg.eval_fraction, cfg.seed)
         self.tokenizer, directory = load_tokenizer(cfg, train_docs)
         self.eot_id = self.tokenizer.token_to_id(EOT)
@@ -347,8 +357,7 @@ class TextBatches:
         if split == "train":
             rows = rows.shuffle(seed=cfg.seed % 2**32)  # Grain takes seeds in [0, 2**32)
         self._rows = rows.repeat().map(lambda r: pack_row(stream, r, seq_len, self.eot_id))
-        self.global_batch, self.local_batch = global_batch, global_batch // num_processes
-        self._accum, self._first = cfg.gradient_accumulation_steps, process_index * self.local_batch
+        self._accum = cfg.gradient_accumulation_steps
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This process's share of the batch of optimizer step `step` (see the class docstring)."""
@@ -370,16 +379,8 @@ class SyntheticBatches:
 
     def __init__(self, cfg: Config, split: str = "train", num_processes: int | None = None,
                  process_index: int | None = None, global_batch: int | None = None):
-        num_processes = jax.process_count() if num_processes is None else num_processes
-        process_index = jax.process_index() if process_index is None else process_index
-        self.global_batch = (cfg.per_device_batch_size * jax.device_count()
-                             if global_batch is None else global_batch)
-        if self.global_batch % num_processes:
-            raise DataError(f"config key `per_device_batch_size`: the global batch "
-                            f"{self.global_batch} does not split evenly over {num_processes} "
-                            "processes")
-        self.local_batch = self.global_batch // num_processes
-        self._first = process_index * self.local_batch
+        self.global_batch, self.local_batch, self._first = process_share(
+            cfg, num_processes, process_index, global_batch)
         self._cfg, self._seed = cfg, cfg.seed + (split == "eval")
         self.split, self.num_rows = split, None
 

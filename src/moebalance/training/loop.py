@@ -290,7 +290,7 @@ def evaluate(run_dir: Path, batches: int | None = None) -> dict:
     if batches is None:
         per_batch = cfg.gradient_accumulation_steps * held_out.global_batch
         batches = max(1, held_out.num_rows // per_batch) if cfg.dataset_type == "text" else 4
-    model, optimizer = build(cfg, mesh)
+    model, optimizer = build(cfg, mesh, held_out)  # hash tables too come from the checkpoint
     step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
                               model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
