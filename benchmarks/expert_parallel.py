@@ -34,6 +34,7 @@ from moebalance.metrics import rank_loads
 from moebalance.training import sharding
 from moebalance.training.loop import build, routed_layers
 from moebalance.training.step import make_train_step
+from model_step import time_step  # this directory's step timer
 
 LAYOUTS = {
     "data=8": ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"],
@@ -55,15 +56,8 @@ def setup(config, overrides, batch, seq):
 def layout(name, config, overrides, batch, seq, steps):
     cfg, mesh, data, model, optimizer = setup(config, [*overrides, *LAYOUTS[name]], batch, seq)
     step = make_train_step(cfg, model, mesh)
-    inputs = sharding.global_batch(mesh, *data.batch(0))
-    start = time.perf_counter()
-    jax.block_until_ready(step(model, optimizer, *inputs))
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(steps):
-        metrics = step(model, optimizer, *inputs)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - start) / steps
+    compile_s, step_s, _ = time_step(step, model, optimizer,
+                                     sharding.global_batch(mesh, *data.batch(0)), steps)
     return {"bench": "layout", "layout": name, "mesh": dict(mesh.shape), "batch": batch,
             "seq": seq, "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
             "tokens_per_s": round(batch * seq / step_s, 1)}

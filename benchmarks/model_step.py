@@ -24,6 +24,18 @@ from moebalance.training.loop import build
 from moebalance.training.step import make_train_step
 
 
+def time_step(step, model, optimizer, inputs, steps):
+    """-> (first call's seconds (compile + run), mean seconds of the next `steps`, last metrics)."""
+    start = time.perf_counter()
+    jax.block_until_ready(step(model, optimizer, *inputs))
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(steps):
+        metrics = step(model, optimizer, *inputs)
+    jax.block_until_ready(metrics)
+    return compile_s, (time.perf_counter() - start) / steps, metrics
+
+
 def bench(config, overrides, batch, seq, steps, dtype):
     cfg = load_config(config, [*overrides, f"dtype={dtype}", f"max_target_length={seq}",
                                f"per_device_batch_size={batch // jax.device_count()}"])
@@ -33,15 +45,8 @@ def bench(config, overrides, batch, seq, steps, dtype):
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
     step = make_train_step(cfg, model, mesh)
-    data = sharding.global_batch(mesh, *data.batch(0))
-    start = time.perf_counter()
-    jax.block_until_ready(step(model, optimizer, *data))
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(steps):
-        metrics = step(model, optimizer, *data)
-    jax.block_until_ready(metrics)
-    step_s = (time.perf_counter() - start) / steps
+    compile_s, step_s, metrics = time_step(step, model, optimizer,
+                                           sharding.global_batch(mesh, *data.batch(0)), steps)
     return {
         "config": config, "layers": cfg.base_num_decoder_layers, "dtype": dtype,
         "batch": batch, "seq": seq, "init_s": round(init_s, 2),
