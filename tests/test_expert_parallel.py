@@ -86,31 +86,34 @@ def test_device_limited_routing_config():
         load_config("deepseek4-smoke", {"ici_expert_parallelism": 0})
 
 
-def test_ab_command_with_expert_parallelism(tmp_path):
-    """`moebalance ab` on 4 devices, all of them on the `expert` axis: the table shows each run's
-    busiest rank, and the trainer's per-rank loads are its own counts summed per rank."""
+def test_train_and_report_with_expert_parallelism(tmp_path):
+    """`moebalance train` on 4 devices, all of them on the `expert` axis, then `report`: the
+    trainer's per-rank loads are its own counts summed per rank, and the report shows the busiest
+    rank."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
-    out = tmp_path / "exp"
-    subprocess.run([sys.executable, "-c", "import sys; from moebalance import cli; "
-                    "sys.exit(cli.main(sys.argv[1:]))", "ab", "deepseek4-smoke", "steps=3",
-                    "max_target_length=32", "per_device_batch_size=2", "ici_fsdp_parallelism=1",
-                    "ici_expert_parallelism=4", "--out", str(out)], env=env, check=True)
-    table = json.loads((out / "table.json").read_text())
-    assert all({"rank_imbalance_a", "rank_imbalance_b"} <= set(r) for r in table["rows"])
-    assert table["total"]["rank_imbalance_a"] >= 1.0
-    assert "EP max/mean A" in (out / "table.md").read_text()
-    for run in ("run_a", "run_b"):
-        shape = json.loads((out / run / "expert_counts.json").read_text())["row_shape"]
-        counts = np.fromfile(out / run / "expert_counts.i32", np.int32).reshape(-1, *shape)
-        lines = (out / run / "metrics.jsonl").read_text().splitlines()
-        metrics = [json.loads(line) for line in lines]
-        assert len(metrics) == len(counts) == 3
-        for step, record in zip(counts, metrics):
-            for layer, row in zip(step, record["layers"]):
-                assert row["rank_load"] == row_sums(layer, 4)
-                assert row["rank_imbalance"] == pytest.approx(max(row["rank_load"]) * 4
-                                                              / sum(row["rank_load"]))
+    run = tmp_path / "ep4"
+
+    def moebalance(*args):
+        subprocess.run([sys.executable, "-c", "import sys; from moebalance import cli; "
+                        "sys.exit(cli.main(sys.argv[1:]))", *args], env=env, check=True)
+
+    moebalance("train", "deepseek4-smoke", "steps=3", "max_target_length=32",
+               "per_device_batch_size=2", "ici_fsdp_parallelism=1", "ici_expert_parallelism=4",
+               "--out", str(run))
+    shape = json.loads((run / "expert_counts.json").read_text())["row_shape"]
+    counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(-1, *shape)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == len(counts) == 3
+    for step, record in zip(counts, metrics):
+        for layer, row in zip(step, record["layers"]):
+            assert row["rank_load"] == row_sums(layer, 4)
+            assert row["rank_imbalance"] == pytest.approx(max(row["rank_load"]) * 4
+                                                          / sum(row["rank_load"]))
+    moebalance("report", str(run), "--out", str(tmp_path / "report"))
+    table = json.loads((tmp_path / "report" / "table.json").read_text())
+    assert table["total"]["rank_imbalance"]["ep4"] >= 1.0
+    assert "EP max/mean ep4" in (tmp_path / "report" / "table.md").read_text()
 
 
 def row_sums(counts, ranks):
