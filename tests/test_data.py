@@ -208,26 +208,30 @@ def test_rows_cover_every_target_once(tmp_path, corpus):
 # --- batches ---------------------------------------------------------------------------------
 
 
-def test_train_batches_are_a_seeded_permutation_per_epoch(tmp_path, corpus):
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_batches_are_a_seeded_permutation_per_epoch(tmp_path, corpus, split):
     root, _ = corpus
     cfg = text_config(tmp_path, root, gradient_accumulation_steps=1, per_device_batch_size=1)
-    batches = data.TextBatches(cfg, "train", 1, 0, global_batch=1)
-    stream = np.load(next((tmp_path / "cache").glob("*/train-*.npy")))
+    batches = data.TextBatches(cfg, split, 1, 0, global_batch=1)
+    stream = np.load(next((tmp_path / "cache").glob(f"*/{split}-*.npy")))
     n = batches.num_rows
     in_order = [data.pack_row(stream, r, SEQ, batches.eot_id)[0].tobytes() for r in range(n)]
     seen = [batches.batch(s)[0][0, 0].tobytes() for s in range(2 * n)]
     assert sorted(seen[:n]) == sorted(seen[n:]) == sorted(in_order)  # each epoch: every row once
     assert seen[:n] != in_order and seen[:n] != seen[n:]  # shuffled, and reshuffled per epoch
     other = data.TextBatches(text_config(tmp_path, root, seed=1, gradient_accumulation_steps=1),
-                             "train", 1, 0, global_batch=1)
+                             split, 1, 0, global_batch=1)
     assert any(not np.array_equal(other.batch(s)[0], batches.batch(s)[0]) for s in range(n))
 
 
-def test_batch_layout_and_eval_order_wraps_around(tmp_path, corpus):
+def test_batch_layout_follows_the_row_sequence_and_wraps_around(tmp_path, corpus):
+    """Row j of micro-batch a of step s is element (s*A + a)*global_batch + j of the split's row
+    sequence, read here one row per step from a batch-of-one source."""
     root, _ = corpus
     cfg = text_config(tmp_path, root)
     held = data.TextBatches(cfg, "eval", 1, 0, global_batch=8)
-    stream = np.load(next((tmp_path / "cache").glob("*/eval-*.npy")))
+    single = data.TextBatches(text_config(tmp_path, root, gradient_accumulation_steps=1),
+                              "eval", 1, 0, global_batch=1)
     for step in range(held.num_rows // 16 + 2):  # past the last row: wraps around
         tokens, mask, segment_ids = held.batch(step)
         assert tokens.shape == (2, 8, SEQ + 1) and tokens.dtype == np.int32
@@ -235,9 +239,8 @@ def test_batch_layout_and_eval_order_wraps_around(tmp_path, corpus):
         assert segment_ids.dtype == np.int32
         for a in range(2):
             for j in range(8):
-                row = ((step * 2 + a) * 8 + j) % held.num_rows
-                want = data.pack_row(stream, row, SEQ, held.eot_id)
-                assert all(np.array_equal(x[a, j], w)
+                want = single.batch((step * 2 + a) * 8 + j)
+                assert all(np.array_equal(x[a, j], w[0, 0])
                            for x, w in zip((tokens, mask, segment_ids), want))
 
 
