@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from moebalance.config import load_config
+from moebalance.data import batches
 from moebalance.metrics import STAT_NAMES, load_stats
 from moebalance.model.transformer import DeepSeekV4
 from moebalance.training import checkpoint
@@ -147,6 +148,13 @@ def test_text_run_packs_documents_writes_tensorboard_and_evaluates(tmp_path):
     assert list(probe["counts"]) == ["0", "3"] and probe["tokens"] == 2 * 16
     result = evaluate(run)
     assert result["step"] == 3 and np.isfinite(result["loss"]) and result["batches"] >= 1
+    assert result["split"] == "eval"
+    # the training split instead: its first 3 batches, every counted target recounted from the data
+    seen = evaluate(run, batches=3, split="train")
+    train_data = batches(cfg, "train")
+    assert seen["split"] == "train" and seen["batches"] == 3
+    assert seen["tokens"] == sum(int(train_data.batch(i)[1].sum()) for i in range(3))
+    assert seen["loss"] != result["loss"]
 
 
 def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):

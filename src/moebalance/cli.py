@@ -108,17 +108,18 @@ def _report(args) -> int:
 
 
 def _eval(args) -> int:
-    """Evaluate a run's latest checkpoint on held-out batches; the run is left untouched."""
+    """Evaluate a run's latest checkpoint on one split's batches; the run is left untouched."""
     from rich.console import Console
     from rich.table import Table
 
     from moebalance.training.loop import evaluate
 
-    result = evaluate(args.run_dir, batches=args.batches)
+    result = evaluate(args.run_dir, batches=args.batches, split=args.split)
     if args.json:
         print(json.dumps(result))
         return 0
-    table = Table(title=f"{args.run_dir} @ step {result['step']}: held-out loss "
+    split = "held-out" if args.split == "eval" else "training-split"
+    table = Table(title=f"{args.run_dir} @ step {result['step']}: {split} loss "
                         f"{result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
                         f"({result['tokens']} tokens)")
     for col in ("layer", "routing", "MaxVio_global"):
@@ -175,8 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="held-out loss, perplexity, MaxVio_global of a run")
     evaluate.add_argument("run_dir")
     evaluate.add_argument("--batches", type=int, default=None,
-                          help="held-out global batches (default: the whole held-out split "
-                               "for text, 4 for synthetic data)")
+                          help="global batches (default: the whole split for text, 4 for "
+                               "synthetic data)")
+    evaluate.add_argument("--split", choices=["eval", "train"], default="eval",
+                          help="the held-out split (default), or the training split: balance on "
+                               "the distribution the bias was fitted to (give --batches)")
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=_eval)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "

@@ -276,17 +276,18 @@ def _summary(console, record: dict, routed: list[int]) -> None:
     console.print(table)
 
 
-def evaluate(run_dir: Path, batches: int | None = None) -> dict:
-    """Held-out loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint.
+def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval") -> dict:
+    """Loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint on a split.
 
-    `batches` held-out batches (default: the whole held-out split once for text, 4 for
-    synthetic data). Counts are accumulated over all of them before MaxVio is taken; nothing is
-    written to the run and the bias is only read.
+    `batches` batches of `split` (default: the whole split once for text, 4 for synthetic data;
+    'train' measures balance on the distribution the bias was fitted to, 'eval' on held-out
+    text). Counts are accumulated over all of them before MaxVio is taken; nothing is written to
+    the run and the bias is only read.
     """
     run_dir = Path(run_dir)
     cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
     mesh = sharding.make_mesh(cfg)
-    held_out = data.batches(cfg, "eval")
+    held_out = data.batches(cfg, split)
     if batches is None:
         per_batch = cfg.gradient_accumulation_steps * held_out.global_batch
         batches = max(1, held_out.num_rows // per_batch) if cfg.dataset_type == "text" else 4
@@ -306,7 +307,7 @@ def evaluate(run_dir: Path, batches: int | None = None) -> dict:
     loss = ce_sum / n_tokens
     routed = routed_layers(model)
     maxvio = maxvio_global(np.stack(counts))
-    return {"step": step, "loss": loss, "perplexity": math.exp(loss), "tokens": int(n_tokens),
-            "batches": batches,
+    return {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
+            "tokens": int(n_tokens), "batches": batches,
             "layers": [{"layer": i, "routing": "topk" if i in routed else "hash",
                         "maxvio_global": float(maxvio[i])} for i in range(len(maxvio))]}
