@@ -68,7 +68,7 @@ def test_report_command_compares_runs(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path / "sign"), "--out", str(tmp_path / "cmp")]) == 2
     assert "already" in capsys.readouterr().err
     assert cli.main(["eval", str(tmp_path / "sign"), "--split", "train", "--batches", "1"]) == 0
-    assert "training-split loss" in capsys.readouterr().out
+    assert "training-split loss" in " ".join(capsys.readouterr().out.split())  # rich wraps
 
 
 def test_rate_checks():
