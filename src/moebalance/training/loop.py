@@ -287,18 +287,18 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval") -> 
     run_dir = Path(run_dir)
     cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
     mesh = sharding.make_mesh(cfg)
-    held_out = data.batches(cfg, split)
+    source = data.batches(cfg, split)
     if batches is None:
-        per_batch = cfg.gradient_accumulation_steps * held_out.global_batch
-        batches = max(1, held_out.num_rows // per_batch) if cfg.dataset_type == "text" else 4
-    model, optimizer = build(cfg, mesh, held_out)  # hash tables too come from the checkpoint
+        per_batch = cfg.gradient_accumulation_steps * source.global_batch
+        batches = max(1, source.num_rows // per_batch) if cfg.dataset_type == "text" else 4
+    model, optimizer = build(cfg, mesh, source)  # hash tables too come from the checkpoint
     step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
                               model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
     ce_sum = n_tokens = 0.0
     counts = []
     for i in range(batches):
-        tokens, mask, seg = sharding.global_batch(mesh, *held_out.batch(i))
+        tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
         for a in range(tokens.shape[0]):
             out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
             ce_sum += float(out["ce_sum"])
