@@ -95,6 +95,22 @@ def test_rate_schedule():
     assert float(balancing.rate_schedule(2e-3)(10**9)) == pytest.approx(2e-3)
 
 
+def test_cosine_rate_schedule():
+    sched = balancing.rate_schedule(1.0, decay_steps=100, final_fraction=0.05)
+    for step in (0, 25, 50, 99, 100, 500):  # rate * (f + (1 - f) * (1 + cos(pi * t / T)) / 2)
+        t = min(step, 100) / 100
+        expected = 0.05 + 0.95 * (1 + np.cos(np.pi * t)) / 2
+        assert float(sched(step)) == pytest.approx(expected, rel=1e-6)
+        assert float(jax.jit(sched)(jnp.int32(step))) == pytest.approx(expected, rel=1e-6)
+    assert float(sched(50)) == pytest.approx(0.525)
+    frozen = balancing.rate_schedule(1.0, freeze_after=60, decay_steps=100, final_fraction=0.0)
+    assert float(frozen(59)) > 0.0 and float(frozen(60)) == 0.0
+    with pytest.raises(ValueError, match="final_fraction must be in"):
+        balancing.rate_schedule(1.0, decay_steps=10, final_fraction=1.5)
+    with pytest.raises(ValueError, match="needs decay_steps"):
+        balancing.rate_schedule(1.0, final_fraction=0.5)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([(8, 2), (6, 3), (16, 4), (5, 1)]), st.booleans())
 def test_quantile_bias_matches_reference(seed, ek, masked):

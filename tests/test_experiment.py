@@ -29,8 +29,9 @@ def test_ab_end_to_end(tmp_path):
     table = ab(load_config("deepseek4-smoke", AB), out, progress=False)
     saved = json.loads((out / "table.json").read_text())
     assert saved == json.loads(json.dumps(table))
-    assert [set(r) for r in saved["rows"]] == [ROW_KEYS] * 4
-    assert ROW_KEYS | {"loss_a", "loss_b", "steps", "tokens_per_step"} <= set(saved["total"])
+    assert [set(r) for r in saved["rows"]] == [ROW_KEYS | {"var_refit_b"}] * 4
+    assert ROW_KEYS | {"loss_a", "loss_b", "steps", "tokens_per_step", "var_refit_b"} <= set(
+        saved["total"])
     assert [r["routing"] for r in saved["rows"]] == ["hash", "hash", "topk", "topk"]
     # the table is the probe counts' population variance, recomputed here from the raw counts
     probes = {run: json.loads((out / run / "probe_counts.json").read_text())
@@ -39,6 +40,10 @@ def test_ab_end_to_end(tmp_path):
     for run, key in (("run_a", "var_a"), ("run_b", "var_b")):
         var = load_stats(np.asarray(probes[run]["counts"]["4"]))["variance"]
         np.testing.assert_allclose([r[key] for r in saved["rows"]], var)
+    # Run B's probe with refitted biases (Run A has no bias to refit)
+    refit = load_stats(np.asarray(probes["run_b"]["refit"]["4"]))["variance"]
+    np.testing.assert_allclose([r["var_refit_b"] for r in saved["rows"]], refit)
+    assert "refit" not in probes["run_a"]
     assert probes["run_a"]["tokens"] == 8 * 64
     assert saved["rows"][0]["floor"] == pytest.approx(sampling_floor(512, 2, 8))
     topk = [r for r in saved["rows"] if r["routing"] == "topk"]
@@ -47,6 +52,7 @@ def test_ab_end_to_end(tmp_path):
     assert saved["total"]["var_b"] < saved["total"]["var_a"]
     assert all(r["var_a"] == r["var_b"] for r in saved["rows"] if r["routing"] == "hash")
     assert "Step 4 Var (Run B)" in (out / "table.md").read_text()
+    assert "Refit Var (Run B)" in (out / "table.md").read_text()
     assert (out / "report.html").read_text().count("data:image/png;base64") == 4
     # neither the experiment nor its runs are overwritten silently
     with pytest.raises(RunDirError, match="--resume"):
@@ -77,3 +83,7 @@ def test_rate_checks():
                                         "routed_bias_update_rate": 2.0})
     with pytest.raises(ConfigError, match="routed_bias_update_rate"):
         load_config("deepseek4-smoke", {"routed_bias_update_rate": -0.5})
+    with pytest.raises(ConfigError, match="routed_bias_update_rate_final_fraction.*in \\[0, 1\\]"):
+        load_config("deepseek4-smoke", {"routed_bias_update_rate_final_fraction": 1.5})
+    with pytest.raises(ConfigError, match="probe_refit_batches.*>= 0"):
+        load_config("deepseek4-smoke", {"probe_refit_batches": -1})

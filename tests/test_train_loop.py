@@ -177,3 +177,31 @@ def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_target_length"):
         load_config("deepseek4-smoke", {"max_target_length": 10**6})
     assert not (tmp_path / "run").exists()
+
+
+def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():
+    from moebalance.model.transformer import get_biases, set_biases
+    from moebalance.training import sharding
+    from moebalance.training.loop import build, refit_biases
+    from moebalance.training.step import make_eval_step
+
+    cfg = load_config("deepseek4-smoke", dict(max_target_length=64, per_device_batch_size=4))
+    mesh = sharding.make_mesh(cfg)
+    source = batches(cfg)
+    model, _ = build(cfg, mesh, source)
+    skewed = get_biases(model).at[:, 0].set(1.0)  # expert 0 wins nearly every token
+    set_biases(model, skewed)
+    eval_step = make_eval_step(cfg, model, mesh)
+
+    def fit_batch_maxvio():  # [L] MaxVio of the counts summed over the 4 fit batches
+        counts = sum(np.asarray(eval_step(model, *(x[0] for x in sharding.global_batch(
+            mesh, *source.batch(i))))["counts"]) for i in range(5, 9))
+        return load_stats(counts)["maxvio"][2:]
+
+    before = fit_batch_maxvio()
+    fit = refit_biases(cfg, model, mesh, source, first=5, batches=4)
+    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(skewed))
+    set_biases(model, fit)
+    after = fit_batch_maxvio()
+    assert (before > 1.5).all(), before
+    assert (after < 0.04).all(), after  # 1024 tokens x K=2 / 8 experts = 256 per expert

@@ -83,6 +83,22 @@ def test_bias_freezes_and_the_optimizer_never_moves_it():
     assert not np.array_equal(routers[2], routers[3])
 
 
+def test_decaying_bias_rate_follows_the_cosine_in_the_step():
+    cfg, model, opt = setup(steps=3, routed_bias_update_rule="proportional",
+                            routed_bias_update_rate=1e-2,
+                            routed_bias_update_rate_final_fraction=0.1)
+    tokens, mask, seg = batch(1, 2)
+    step = make_train_step(cfg, model)
+    rates = [1e-2, 1e-2 * 0.55, 1e-3]  # steps 0, 1, 2 of a cosine over steps 0 .. 2
+    for rate in rates:
+        before = np.asarray(get_biases(model))
+        metrics = step(model, opt, tokens, mask, seg)
+        want = np.stack([ref.update_bias(before[i], np.asarray(metrics["counts"])[layer],
+                                         "proportional", rate)
+                         for i, layer in enumerate(routed_layers(model))])
+        np.testing.assert_allclose(get_biases(model), want, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("rate", [1.0, 0.25])
 def test_quantile_rule_sets_the_bias_from_the_step_scores(rate):
     cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate)

@@ -108,17 +108,30 @@ def check_rate(rate) -> None:
         raise ValueError(f"the bias update rate must be >= 0, got {rate}")
 
 
-def rate_schedule(rate: float, freeze_after: int | None = None):
-    """step -> rate: constant, then 0 from step `freeze_after` on (DeepSeek-V3 froze the bias for its
-    last 500B tokens). Works on Python ints and traced int steps."""
+def rate_schedule(rate: float, freeze_after: int | None = None, *, decay_steps: int | None = None,
+                  final_fraction: float = 1.0):
+    """step -> rate. Constant (final_fraction 1), or a cosine from `rate` at step 0 to
+    rate * final_fraction at step `decay_steps` (held after it): late in training the router
+    moves slowly, and a smaller step averages the bias over more batches instead of chasing the
+    last ones. From step `freeze_after` on the rate is 0 (DeepSeek-V3 froze the bias for its last
+    500B tokens). Works on Python ints and traced int steps."""
     check_rate(rate)
     if freeze_after is not None and freeze_after < 0:
         raise ValueError(f"freeze_after must be >= 0, got {freeze_after}")
+    if not 0 <= final_fraction <= 1:
+        raise ValueError(f"final_fraction must be in [0, 1], got {final_fraction}")
+    if final_fraction != 1 and not decay_steps:
+        raise ValueError("a decaying bias rate (final_fraction < 1) needs decay_steps >= 1")
 
     def schedule(step):
-        if freeze_after is None:
-            return jnp.float32(rate)
-        return jnp.where(step < freeze_after, jnp.float32(rate), jnp.float32(0.0))
+        value = jnp.float32(rate)
+        if final_fraction != 1:
+            progress = jnp.minimum(jnp.asarray(step, jnp.float32) / decay_steps, 1.0)
+            cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+            value = value * (final_fraction + (1.0 - final_fraction) * cosine)
+        if freeze_after is not None:
+            value = jnp.where(step < freeze_after, value, jnp.float32(0.0))
+        return value.astype(jnp.float32)
 
     return schedule
 

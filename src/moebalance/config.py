@@ -89,6 +89,13 @@ class Config:
                                           "(sign 1e-3, proportional 1e-4, fraction 1, quantile 1)")
     routed_bias_update_rule: str = _key("sign", "sign | proportional | fraction | quantile")
     routed_bias_freeze_step: int = _key(-1, "bias rate becomes 0 from this step on (-1: never)")
+    routed_bias_update_rate_final_fraction: float = _key(
+        1.0, "the bias rate follows a cosine from its value to value * this at the last step "
+        "(1: constant)")
+    probe_refit_batches: int = _key(8, "after the last step, also measure the probe with every "
+                                    "top-k bias refitted to balance this many fresh training "
+                                    "batches: what a perfectly estimated bias reaches (0 = off; "
+                                    "runs without routed_bias skip it)")
     load_balance_loss_weight: float = _key(0.0, "weight of the sequence-wise balance loss")
     sequence_loss_mode: str = _key("deepseek", "sequence loss: deepseek (paper) | maxtext")
     global_balance_loss_weight: float = _key(0.0, "weight of the global-batch (Switch) loss")
@@ -209,6 +216,12 @@ def validate(c: Config) -> None:
     _require(c.routed_bias_update_rule != "quantile" or c.routed_bias_update_rate <= 1,
              "routed_bias_update_rate", "for the quantile rule it is the damping: in [0, 1], got "
              f"{c.routed_bias_update_rate}")
+    _require(0 <= c.routed_bias_update_rate_final_fraction <= 1,
+             "routed_bias_update_rate_final_fraction",
+             f"must be in [0, 1] (1: a constant rate), got "
+             f"{c.routed_bias_update_rate_final_fraction}")
+    _require(c.probe_refit_batches >= 0, "probe_refit_batches",
+             f"must be >= 0 (0 turns the refit off), got {c.probe_refit_batches}")
     for key in ("load_balance_loss_weight",
                 "global_balance_loss_weight", "router_z_loss_weight", "learning_rate",
                 "adam_weight_decay", "gradient_clipping_threshold"):

@@ -5,7 +5,9 @@ A run directory (written by the trainer) holds:
     metrics.jsonl        one JSON object per step: loss, ..., and `layers` (per-layer load stats)
     probe_counts.json    the expert counts of ONE fixed evaluation batch, before any update and
                          after the last step: {"tokens": N, "routing": [kind per layer],
-                         "counts": {"0": [L][E] ints, "<N>": [L][E] ints}}
+                         "counts": {"0": [L][E] ints, "<N>": [L][E] ints}}, and optionally
+                         "refit": {"<N>": [L][E] ints}, the last step's probe with the top-k
+                         biases refitted to fresh training batches (the best a bias does here)
 
 `ab_report` reproduces the table of SEED_EXPERIMENT.md (same columns, same definitions: population
 variance of per-expert assignment counts, improvement (Var_A - Var_B) / Var_A, a TOTAL row over the
@@ -36,6 +38,9 @@ from moebalance.metrics import load_stats, rank_loads, sampling_floor
 ROUTING_LABELS = {"hash": "Hash Routed", "topk": "Top-K Routed"}
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
 REPORT_FILES = ("table.md", "table.json", *PLOTS, "report.html")
+REFIT_NOTE = ("Refit Var: the probe's variance after the last step with every top-K bias refitted to "
+              "balance fresh training batches - what a perfectly estimated bias reaches on this "
+              "probe; above the floor when the probe's tokens are not independent draws.")
 HEATMAP_MAX = 2.0  # heatmap colour scale: load / mean in [0, 2]; busier experts saturate
 
 
@@ -52,6 +57,7 @@ class Run:
     routing: tuple[str, ...]  # 'hash' | 'topk' per layer
     tokens: int  # routed tokens of the probe batch
     ranks: int = 1  # expert-parallel ranks the run trained on (1: no expert parallelism)
+    refit: np.ndarray | None = None  # [L, E] final probe counts with refitted biases, if measured
 
 
 def load_run(path) -> Run:
@@ -76,17 +82,21 @@ def load_run(path) -> Run:
     unknown = sorted(set(routing) - set(ROUTING_LABELS))
     if unknown:
         raise ValueError(f"{path}: unknown routing kinds {unknown} (expected 'hash' or 'topk')")
-    for step in (0, final_step):
-        if counts[step].shape != shape:
-            raise ValueError(f"{path}: probe counts of step {step} have shape "
-                             f"{counts[step].shape}, expected [layers, num_experts] = {shape}")
-        if (counts[step].sum(-1) != tokens * k).any():
-            raise ValueError(f"{path}: probe counts of step {step} do not sum to tokens * K = "
+    refit = probe.get("refit", {}).get(str(final_step))
+    checked = {f"step {step}": counts[step] for step in (0, final_step)}
+    if refit is not None:
+        refit = checked[f"refitted step {final_step}"] = np.asarray(refit, np.int64)
+    for what, c in checked.items():
+        if c.shape != shape:
+            raise ValueError(f"{path}: probe counts of {what} have shape {c.shape}, expected "
+                             f"[layers, num_experts] = {shape}")
+        if (c.sum(-1) != tokens * k).any():
+            raise ValueError(f"{path}: probe counts of {what} do not sum to tokens * K = "
                              f"{tokens} * {k} in every layer")
     ranks = len(metrics[-1]["layers"][0].get("rank_load", [0]))
     return Run(name=path.resolve().name, config=config, metrics=metrics, step0=counts[0],
                final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens,
-               ranks=ranks)
+               ranks=ranks, refit=refit)
 
 
 def _variance(counts) -> np.ndarray:
@@ -107,13 +117,14 @@ def _improvement(var_a: float, var_b: float) -> float:
 
 
 def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
-                ranks: int = 1) -> dict:
+                ranks: int = 1, refit_b=None) -> dict:
     """The seed's per-layer table from [L, E] counts: {"rows": [...], "total": {...}}.
 
     Rows: var_step0 / var_a / var_b (population variance of the counts), improvement
     (var_a - var_b) / var_a, floor (the sampling floor of num_tokens tokens), maxvio_a / maxvio_b;
     with ranks > 1 (expert parallelism) also rank_imbalance_a / _b, the busiest rank's load over
-    the mean. Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors,
+    the mean; with `refit_b` (Run B's final probe counts under refitted biases) also var_refit_b.
+    Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors,
     improvement as the ratio of the sums (the seed's 47.90%), mean MaxVio (and rank imbalance), and
     mean_improvement (the mean of the per-layer ratios, the seed's 50.97%).
     """
@@ -125,6 +136,11 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
              "improvement": _improvement(float(var_a[layer]), float(var_b[layer])),
              "floor": floor, "maxvio_a": float(maxvio_a[layer]),
              "maxvio_b": float(maxvio_b[layer])} for layer, kind in enumerate(routing)]
+    summed = ["var_step0", "var_a", "var_b", "floor"]
+    if refit_b is not None:
+        summed.append("var_refit_b")
+        for row, v in zip(rows, _variance(refit_b)):
+            row["var_refit_b"] = float(v)
     means = ["maxvio_a", "maxvio_b"]
     if ranks > 1:
         means += ["rank_imbalance_a", "rank_imbalance_b"]
@@ -133,7 +149,7 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
             for row in rows:
                 row[key] = float(imbalance[row["layer"]])
     topk = [r for r in rows if r["routing"] == "topk"]
-    sums = {key: sum(r[key] for r in topk) for key in ("var_step0", "var_a", "var_b", "floor")}
+    sums = {key: sum(r[key] for r in topk) for key in summed}
     total = {"layer": "TOTAL/AVG", "routing": "topk", **sums,
              "improvement": _improvement(sums["var_a"], sums["var_b"]),
              **{key: _mean([r[key] for r in topk]) for key in means},
@@ -146,7 +162,8 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
 
     {"runs": [names], "same_probe": bool, "rows": [{layer, routing, var_step0: {name: v},
     var: {name: v}, maxvio: {name: v}, floor}], "total": {var_step0, var, maxvio, loss, steps:
-    {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio). When a
+    {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio). When
+    every run measured its probe with refitted biases, rows and total hold var_refit. When a
     run used expert parallelism, rows and total also hold rank_imbalance: {name: busiest rank /
     mean} (1.0 for runs without it).
     """
@@ -156,16 +173,20 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
                       "maxvio": _maxvio(run.final),
                       "rank_imbalance": rank_loads(run.final, run.ranks)[1]}
                for name, run in runs}
-    keys = ("var_step0", "var", "maxvio") + (
+    refit = all(run.refit is not None for _, run in runs)
+    if refit:
+        for (name, run) in runs:
+            per_run[name]["var_refit"] = _variance(run.refit)
+    keys = ("var_step0", "var", *(("var_refit",) if refit else ()), "maxvio") + (
         ("rank_imbalance",) if any(run.ranks > 1 for _, run in runs) else ())
     rows = [{"layer": layer, "routing": kind,
              **{key: {name: float(stats[key][layer]) for name, stats in per_run.items()}
                 for key in keys},
              "floor": floor} for layer, kind in enumerate(first.routing)]
     topk = [r for r in rows if r["routing"] == "topk"]
-    total = {key: {name: sum(r[key][name] for r in topk) for name in per_run}
-             for key in ("var_step0", "var")}
-    for key in keys[2:]:
+    variances = [key for key in keys if key.startswith("var")]
+    total = {key: {name: sum(r[key][name] for r in topk) for name in per_run} for key in variances}
+    for key in keys[len(variances):]:
         total[key] = {name: _mean([r[key][name] for r in topk]) for name in per_run}
     total["floor"] = floor * len(topk)
     total["loss"] = {name: run.metrics[-1]["loss"] for name, run in runs}
@@ -183,14 +204,16 @@ def _tokens_per_step(config: dict) -> int:
 
 def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     total, n = table["total"], table["total"]["steps"]
-    ranks = "rank_imbalance_a" in total
+    ranks, refit = "rank_imbalance_a" in total, "var_refit_b" in total
     headers = ["Layer", "Routing", "Step 0 Var (Baseline)", f"Step {n} Var (Run A)",
-               f"Step {n} Var (Run B)", "Improvement (A vs B)", "Floor", "MaxVio A", "MaxVio B",
+               f"Step {n} Var (Run B)", "Improvement (A vs B)", "Floor",
+               *(["Refit Var (Run B)"] if refit else []), "MaxVio A", "MaxVio B",
                *(["EP max/mean A", "EP max/mean B"] if ranks else [])]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
         return [label, routing, *(f"{r[key]:.2f}" for key in ("var_step0", "var_a", "var_b")),
-                f"{100 * r['improvement']:.2f}%", f"{r['floor']:.2f}", f"{r['maxvio_a']:.3f}",
+                f"{100 * r['improvement']:.2f}%", f"{r['floor']:.2f}",
+                *([f"{r['var_refit_b']:.2f}"] if refit else []), f"{r['maxvio_a']:.3f}",
                 f"{r['maxvio_b']:.3f}",
                 *([f"{r['rank_imbalance_a']:.3f}", f"{r['rank_imbalance_b']:.3f}"] if ranks
                   else [])]
@@ -204,6 +227,8 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
              f"per-layer improvements is {100 * total['mean_improvement']:.2f}%.",
              f"{n} steps of {total['tokens_per_step']} tokens. Floor: expected variance of "
              f"perfectly balanced random routing of the probe batch, N (K/E) (1 - K/E)."]
+    if refit:
+        notes.append(REFIT_NOTE)
     if ranks:
         notes.append("EP max/mean: assignments of the busiest expert-parallel rank over the mean "
                      "rank (1 = even; the step waits for the busiest device).")
@@ -212,15 +237,16 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
 
 def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     names, total, same = table["runs"], table["total"], table["same_probe"]
-    per_run = ("var", "maxvio") if same else ("var_step0", "var", "maxvio")
+    per_run = ("var",) if same else ("var_step0", "var")
+    per_run += ("var_refit", "maxvio") if "var_refit" in total else ("maxvio",)
     per_run += ("rank_imbalance",) if "rank_imbalance" in total else ()
-    titles = {"var_step0": "Step 0 Var", "var": "Var", "maxvio": "MaxVio",
-              "rank_imbalance": "EP max/mean"}
+    titles = {"var_step0": "Step 0 Var", "var": "Var", "var_refit": "Refit Var",
+              "maxvio": "MaxVio", "rank_imbalance": "EP max/mean"}
     headers = ["Layer", "Routing", *(["Step 0 Var"] if same else []),
                *(f"{titles[key]} {name}" for name in names for key in per_run), "Floor"]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
-        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "maxvio": "{:.3f}",
+        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "var_refit": "{:.2f}", "maxvio": "{:.3f}",
                "rank_imbalance": "{:.3f}"}
         return [label, routing, *([f"{r['var_step0'][names[0]]:.2f}"] if same else []),
                 *(fmt[key].format(r[key][name]) for name in names for key in per_run),
@@ -234,6 +260,8 @@ def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
         notes.append("The runs measured different probe batches (or started from different "
                      "weights): each run's step-0 variance is its own.")
     notes.append("TOTAL sums the top-K variances and averages their MaxVio.")
+    if "var_refit" in total:
+        notes.append(REFIT_NOTE)
     return headers, rows, notes
 
 
@@ -295,6 +323,9 @@ def plot_variance(runs: list[tuple[str, Run]], path) -> Path:
     for i, (name, run) in enumerate(runs):
         ax.plot(layers, _variance(run.final), color=_colour(i), marker="o", ms=4,
                 label=f"{name}, step {run.final_step}")
+        if run.refit is not None:
+            ax.plot(layers, _variance(run.refit), color=_colour(i), ls="--", lw=1,
+                    label=f"{name}, refitted bias")
     floor = sampling_floor(first.tokens, first.config["num_experts_per_tok"],
                            first.step0.shape[-1])
     ax.axhline(floor, color="k", ls="--", lw=1, label=f"sampling floor ({floor:.1f})")
@@ -466,7 +497,7 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
                          "and model")
     _prepare_out(out, overwrite)
     table = layer_table(a.step0, a.final, b.final, a.routing, a.tokens,
-                        a.config["num_experts_per_tok"], max(a.ranks, b.ranks))
+                        a.config["num_experts_per_tok"], max(a.ranks, b.ranks), b.refit)
     table["total"].update(loss_a=a.metrics[-1]["loss"], loss_b=b.metrics[-1]["loss"],
                           steps=a.final_step, tokens_per_step=_tokens_per_step(a.config))
     runs = [(f"A: {a.name}", a), (f"B: {b.name}", b)]

@@ -8,7 +8,8 @@ A run directory holds:
     expert_counts.json    its row shape [L, E]: numpy.fromfile(...).reshape(-1, L, E) reads it
     probe_counts.json     the [L, E] counts of one fixed held-out micro-batch (the probe) before
                           the first step ("0") and after the last (str(steps)): what the A/B
-                          table compares
+                          table compares; "refit" {str(steps): [L, E]}: the probe after the last
+                          step with the top-k biases refitted (`refit_biases`), when configured
     tensorboard/          TensorBoard event files (loss, lr, balance losses, MaxVio per layer)
     checkpoints/N         Orbax checkpoints after N steps (every checkpoint_period, and at the end)
 
@@ -38,10 +39,12 @@ from flax import nnx
 from moebalance import data
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
-from moebalance.model.transformer import DeepSeekV4, routed_layers
+from moebalance import balancing
+from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
 from moebalance.routing import build_hash_table
 from moebalance.training import checkpoint, sharding
-from moebalance.training.step import make_eval_step, make_optimizer, make_train_step
+from moebalance.training.step import (make_eval_step, make_optimizer, make_score_step,
+                                      make_train_step)
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json",
              "probe_counts.json", "tensorboard")
@@ -145,12 +148,51 @@ def build(cfg: Config, mesh, train_data=None):
     return model, optimizer
 
 
-def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int) -> None:
+def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batches: int,
+                 iterations: int = 4) -> jax.Array:
+    """[L_routed, E] float32: the top-k biases that balance `batches` batches of `source` (from
+    batch `first` on) at the model's current weights, i.e. what a perfectly estimated bias would
+    be on that data. Quantile Balancing (undamped) on all their tokens at once, repeated
+    `iterations` times, since a block's input depends on the earlier blocks' biases. The model's
+    own biases are put back unchanged."""
+    score_step = make_score_step(cfg, model, mesh)
+    fit_batches = []
+    for i in range(first, first + batches):
+        tokens, _, segment_ids = sharding.global_batch(mesh, *source.batch(i))
+        fit_batches += [(tokens[a], segment_ids[a]) for a in range(tokens.shape[0])]
+    trained = get_biases(model)
+    fit = trained
+    for _ in range(iterations):
+        set_biases(model, fit)
+        scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
+        fit = jax.vmap(lambda s, b: balancing.quantile_bias(s, b, cfg.num_experts_per_tok))(
+            scores, fit)
+    set_biases(model, trained)
+    return fit
+
+
+def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tuple:
+    """The probe's [L, E] counts after the last step, and with refitted biases (or None)."""
+    counts = jax.device_get(eval_step(model, *probe)["counts"])
+    if not (cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model)):
+        return counts, None
+    trained = get_biases(model)
+    set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps,
+                                   cfg.probe_refit_batches))
+    refit = jax.device_get(eval_step(model, *probe)["counts"])
+    set_biases(model, trained)
+    return counts, refit
+
+
+def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int,
+                 refit=None) -> None:
     path = out / "probe_counts.json"
     probe = json.loads(path.read_text()) if path.exists() else {
         "tokens": tokens, "routing": ["topk" if i in routed else "hash"
                                       for i in range(len(counts))], "counts": {}}
     probe["counts"][str(key)] = np.asarray(counts).tolist()
+    if refit is not None:
+        probe.setdefault("refit", {})[str(key)] = np.asarray(refit).tolist()
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(probe))
     partial.replace(path)  # atomic: a crash leaves the previous file whole
@@ -205,9 +247,10 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     routed = routed_layers(model)
     ranks = mesh.shape["expert"]
     probe_tokens = int(np.prod(probe[1].shape))
-    if first == 0 and writer_process:
-        _write_probe(out, 0, jax.device_get(eval_step(model, *probe)["counts"]), routed,
-                     probe_tokens)
+    if first == 0:
+        counts = jax.device_get(eval_step(model, *probe)["counts"])
+        if writer_process:
+            _write_probe(out, 0, counts, routed, probe_tokens)
     console = Console()
     tokens_per_step = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
     record = {}
@@ -244,9 +287,10 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             bar.update(task, advance=1, status=f"loss {record['loss']:.4f}  "
                        f"{record['tokens_per_s']:.0f} tok/s  MaxVio {maxvio:.3f}")
             done = step + 1
-            if done == cfg.steps and writer_process:
-                _write_probe(out, done, jax.device_get(eval_step(model, *probe)["counts"]),
-                             routed, probe_tokens)
+            if done == cfg.steps:  # every process measures (collectives), process 0 writes
+                final, refit = _final_probe(cfg, model, mesh, eval_step, probe, train_data)
+                if writer_process:
+                    _write_probe(out, done, final, routed, probe_tokens, refit)
             if done % cfg.checkpoint_period == 0 or done == cfg.steps or stop.signal:
                 if writer_process:
                     counts_file.flush()

@@ -102,7 +102,8 @@ def bias_rate(cfg: Config, step):
     rate = cfg.routed_bias_update_rate
     if rate < 0:
         rate = balancing.DEFAULT_RATES[cfg.routed_bias_update_rule]
-    return balancing.rate_schedule(rate, freeze)(step)
+    return balancing.rate_schedule(rate, freeze, decay_steps=max(cfg.steps - 1, 1),
+                                   final_fraction=cfg.routed_bias_update_rate_final_fraction)(step)
 
 
 def on_mesh(fn, mesh):
@@ -176,5 +177,18 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
         ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])
         m = mask.astype(jnp.float32)
         return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+
+    return on_mesh(step, mesh)
+
+
+def make_score_step(cfg: Config, model: DeepSeekV4, mesh=None):
+    """-> step(model, tokens [B, S+1], segment_ids [B, S]) -> [L_routed, B*S, E] float32 unbiased
+    router scores of the top-k blocks (their selection used the current biases)."""
+    routed = jnp.asarray(routed_layers(model), jnp.int32)
+
+    @nnx.jit
+    def step(model, tokens, segment_ids):
+        scores = model(tokens[:, :-1], segment_ids=segment_ids).routing.scores[routed]
+        return scores.reshape(len(routed), -1, cfg.num_experts).astype(jnp.float32)
 
     return on_mesh(step, mesh)
