@@ -52,6 +52,16 @@ def test_run_directory_metrics_and_counts(tmp_path):
     assert abs(result["loss"] - last["ce"]) < 0.5
     assert [r["routing"] for r in result["layers"]] == ["hash", "hash", "topk", "topk"]
     assert all(r["maxvio_global"] >= 0 for r in result["layers"])
+    # with refitted top-k biases: the hash blocks (before any top-k block) cannot change
+    refit = evaluate(run, batches=2, refit_batches=2)
+    assert refit["loss"] == result["loss"]
+    for plain, row in zip(result["layers"], refit["layers"]):
+        assert row["maxvio_global"] == plain["maxvio_global"]
+        if row["routing"] == "hash":
+            assert row["maxvio_global_refit"] == row["maxvio_global"]
+    assert any(r["maxvio_global_refit"] != r["maxvio_global"] for r in refit["layers"][2:])
+    with pytest.raises(ValueError, match="refit_batches >= 0"):
+        evaluate(run, refit_batches=-1)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
 
 

@@ -114,7 +114,8 @@ def _eval(args) -> int:
 
     from moebalance.training.loop import evaluate
 
-    result = evaluate(args.run_dir, batches=args.batches, split=args.split)
+    result = evaluate(args.run_dir, batches=args.batches, split=args.split,
+                      refit_batches=args.refit_batches)
     if args.json:
         print(json.dumps(result))
         return 0
@@ -122,10 +123,13 @@ def _eval(args) -> int:
     table = Table(title=f"{args.run_dir} @ step {result['step']}: {split} loss "
                         f"{result['loss']:.4f}, perplexity {result['perplexity']:.2f} "
                         f"({result['tokens']} tokens)")
-    for col in ("layer", "routing", "MaxVio_global"):
+    refit = "maxvio_global_refit" in result["layers"][-1]
+    for col in ("layer", "routing", "MaxVio_global", *(["refitted bias"] if refit else [])):
         table.add_column(col, justify="right")
     for row in result["layers"]:
-        table.add_row(str(row["layer"]), row["routing"], f"{row['maxvio_global']:.4f}")
+        table.add_row(str(row["layer"]), row["routing"], f"{row['maxvio_global']:.4f}",
+                      *([f"{row['maxvio_global_refit']:.4f}" if "maxvio_global_refit" in row
+                         else "-"] if refit else []))
     Console().print(table)
     return 0
 
@@ -181,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=["eval", "train"], default="eval",
                           help="the held-out split (default), or the training split: balance on "
                                "the distribution the bias was fitted to (give --batches)")
+    evaluate.add_argument("--refit-batches", type=int, default=0,
+                          help="also measure with the top-k biases refitted to balance this many "
+                               "fresh training batches: what a perfectly estimated bias reaches")
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=_eval)
     convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "

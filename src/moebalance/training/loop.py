@@ -320,14 +320,20 @@ def _summary(console, record: dict, routed: list[int]) -> None:
     console.print(table)
 
 
-def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval") -> dict:
+def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
+             refit_batches: int = 0) -> dict:
     """Loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint on a split.
 
     `batches` batches of `split` (default: the whole split once for text, 4 for synthetic data;
     'train' measures balance on the distribution the bias was fitted to, 'eval' on held-out
-    text). Counts are accumulated over all of them before MaxVio is taken; nothing is written to
-    the run and the bias is only read.
+    text). Counts are accumulated over all of them before MaxVio is taken. With `refit_batches`,
+    each layer also gets `maxvio_global_refit`: the same measurement with the top-k biases
+    refitted to balance that many fresh training batches (`refit_biases`), i.e. what a perfectly
+    estimated bias would reach on this data. Nothing is written to the run; its bias is only read.
     """
+    if (batches is not None and batches < 1) or refit_batches < 0:
+        raise ValueError(f"evaluate needs batches >= 1 and refit_batches >= 0, got {batches} and "
+                         f"{refit_batches}")
     run_dir = Path(run_dir)
     cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
     mesh = sharding.make_mesh(cfg)
@@ -339,19 +345,28 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval") -> 
     step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
                               model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
-    ce_sum = n_tokens = 0.0
-    counts = []
-    for i in range(batches):
-        tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
-        for a in range(tokens.shape[0]):
-            out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
-            ce_sum += float(out["ce_sum"])
-            n_tokens += float(out["tokens"])
-            counts.append(np.asarray(out["counts"]))
+
+    def measure():  # -> (CE summed over the valid targets, their number, [n, L, E] counts)
+        ce_sum = n_tokens = 0.0
+        counts = []
+        for i in range(batches):
+            tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
+            for a in range(tokens.shape[0]):
+                out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
+                ce_sum += float(out["ce_sum"])
+                n_tokens += float(out["tokens"])
+                counts.append(np.asarray(out["counts"]))
+        return ce_sum, n_tokens, np.stack(counts)
+
+    ce_sum, n_tokens, counts = measure()
     loss = ce_sum / n_tokens
     routed = routed_layers(model)
-    maxvio = maxvio_global(np.stack(counts))
+    layers = [{"layer": i, "routing": "topk" if i in routed else "hash",
+               "maxvio_global": float(m)} for i, m in enumerate(maxvio_global(counts))]
+    if refit_batches and routed:
+        set_biases(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"), cfg.steps,
+                                       refit_batches))
+        for row, m in zip(layers, maxvio_global(measure()[2])):
+            row["maxvio_global_refit"] = float(m)
     return {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
-            "tokens": int(n_tokens), "batches": batches,
-            "layers": [{"layer": i, "routing": "topk" if i in routed else "hash",
-                        "maxvio_global": float(maxvio[i])} for i in range(len(maxvio))]}
+            "tokens": int(n_tokens), "batches": batches, "layers": layers}
