@@ -36,10 +36,9 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from moebalance import data
+from moebalance import balancing, data
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
-from moebalance import balancing
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
 from moebalance.routing import build_hash_table
 from moebalance.training import checkpoint, sharding
