@@ -159,15 +159,25 @@ def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batch
     for i in range(first, first + batches):
         tokens, _, segment_ids = sharding.global_batch(mesh, *source.batch(i))
         fit_batches += [(tokens[a], segment_ids[a]) for a in range(tokens.shape[0])]
-    trained = get_biases(model)
-    fit = trained
+    fit = get_biases(model)
     for _ in range(iterations):
-        set_biases(model, fit)
-        scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
+        with biases_set_to(model, fit):
+            scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
         fit = jax.vmap(lambda s, b: balancing.quantile_bias(s, b, cfg.num_experts_per_tok))(
             scores, fit)
-    set_biases(model, trained)
     return fit
+
+
+@contextlib.contextmanager
+def biases_set_to(model: DeepSeekV4, biases: jax.Array):
+    """The top-k blocks use `biases` [L_routed, E] inside the block; their own come back after it,
+    also when it raises."""
+    trained = get_biases(model)
+    set_biases(model, biases)
+    try:
+        yield
+    finally:
+        set_biases(model, trained)
 
 
 def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tuple:
@@ -175,12 +185,9 @@ def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tupl
     counts = jax.device_get(eval_step(model, *probe)["counts"])
     if not (cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model)):
         return counts, None
-    trained = get_biases(model)
-    set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps,
-                                   cfg.probe_refit_batches))
-    refit = jax.device_get(eval_step(model, *probe)["counts"])
-    set_biases(model, trained)
-    return counts, refit
+    with biases_set_to(model, refit_biases(cfg, model, mesh, train_data, cfg.steps,
+                                           cfg.probe_refit_batches)):
+        return counts, jax.device_get(eval_step(model, *probe)["counts"])
 
 
 def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int,
@@ -363,9 +370,10 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     layers = [{"layer": i, "routing": "topk" if i in routed else "hash",
                "maxvio_global": float(m)} for i, m in enumerate(maxvio_global(counts))]
     if refit_batches and routed:
-        set_biases(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"), cfg.steps,
-                                       refit_batches))
-        for row, m in zip(layers, maxvio_global(measure()[2])):
+        with biases_set_to(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"),
+                                               cfg.steps, refit_batches)):
+            refit_counts = measure()[2]
+        for row, m in zip(layers, maxvio_global(refit_counts)):
             row["maxvio_global_refit"] = float(m)
     return {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
             "tokens": int(n_tokens), "batches": batches, "layers": layers}
