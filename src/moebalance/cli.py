@@ -128,8 +128,7 @@ def _eval(args) -> int:
         table.add_column(col, justify="right")
     for row in result["layers"]:
         table.add_row(str(row["layer"]), row["routing"], f"{row['maxvio_global']:.4f}",
-                      *([f"{row['maxvio_global_refit']:.4f}" if "maxvio_global_refit" in row
-                         else "-"] if refit else []))
+                      *([f"{row['maxvio_global_refit']:.4f}"] if refit else []))
     Console().print(table)
     return 0
 
