@@ -111,6 +111,31 @@ def test_cosine_rate_schedule():
         balancing.rate_schedule(1.0, final_fraction=0.5)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 50), st.floats(0.0, 1.0), st.booleans(),
+       st.booleans())
+def test_column_quantile_equals_numpy_nanquantile(seed, rows, q, masked, ties):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, 5)).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
+    if ties:  # repeated values, signed zeros and both signs of the same magnitude
+        x = np.round(x / np.abs(x).max() * 2).astype(np.float32)
+        x[0, 0], x[-1, 0] = -0.0, 0.0
+    valid = rng.random(rows) < 0.6 if masked else None
+    expected = np.nanquantile(np.where(valid[:, None], x, np.nan) if masked else x, q, axis=0)
+    got = balancing.column_quantile(jnp.asarray(x), q, None if valid is None else jnp.asarray(valid))
+    np.testing.assert_allclose(got, expected.astype(np.float32), rtol=1e-6,
+                               atol=1e-6 * np.abs(x).max())
+
+
+def test_column_quantile_hand_computed_and_empty():
+    x = jnp.asarray([[4.0, -1.0], [1.0, -3.0], [3.0, -2.0], [2.0, 7.0]])
+    # column 0 sorted 1 2 3 4: position 0.75 * 3 = 2.25 -> 3 + 0.25 * (4 - 3)
+    np.testing.assert_allclose(balancing.column_quantile(x, 0.75), [3.25, 0.25 * 7 + 0.75 * -1])
+    assert np.isnan(balancing.column_quantile(x, 0.5, jnp.zeros(4, bool))).all()
+    np.testing.assert_allclose(balancing.column_quantile(x, 0.5, jnp.asarray([0, 1, 0, 0], bool)),
+                               [1.0, -3.0])
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([(8, 2), (6, 3), (16, 4), (5, 1)]), st.booleans())
 def test_quantile_bias_matches_reference(seed, ek, masked):
@@ -122,6 +147,17 @@ def test_quantile_bias_matches_reference(seed, ek, masked):
     new = balancing.quantile_bias(jnp.asarray(s), jnp.asarray(bias), k,
                                   mask=None if mask is None else jnp.asarray(mask))
     np.testing.assert_allclose(new, ref.quantile_bias(s, bias, k, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_quantile_bias_per_layer_bias_equals_layer_by_layer():
+    rng = np.random.default_rng(3)
+    s = jnp.asarray(rng.random((3, 2, 20, 8)), jnp.float32)  # [L, B, S, E]
+    bias = jnp.asarray(0.1 * rng.normal(size=(3, 8)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 20)) < 0.7)
+    together = balancing.quantile_bias(s, bias, 2, mask=mask, center=True, rate=0.5)
+    for layer in range(3):
+        np.testing.assert_array_equal(together[layer], balancing.quantile_bias(
+            s[layer], bias[layer], 2, mask=mask, center=True, rate=0.5))
 
 
 def test_quantile_bias_balances_each_expert_against_fixed_others():

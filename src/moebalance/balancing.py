@@ -162,36 +162,83 @@ def quantile_bias(
     approximately; repeated over steps it converges without a step size to tune.
 
     Args:
-      scores: [..., E] float32 unbiased scores of the step's batch.
-      bias: [E] float32 current bias (its values decide the current top-K and thresholds).
+      scores: [..., E] float32 unbiased scores of the step's batch; [L, ..., E] with a bias per
+        layer (bias [L, E]): every layer fitted at once, as one fused computation.
+      bias: [E] float32 current bias (its values decide the current top-K and thresholds), or
+        [L, E] for L layers.
       k: experts per token. With k == E every expert is always chosen and the bias is returned.
-      mask: [...] bool valid tokens, or None.
+      mask: [...] bool valid tokens (the same for every layer), or None.
       center: subtract the mean of the new bias.
       rate: move this fraction of the way from `bias` to the fit (1.0: Quantile Balancing as
         published; smaller values average the fit over about 1/rate batches, so the bias stops
         chasing one batch's sampling noise; 0 keeps the bias).
 
     Returns:
-      [E] float32 new bias.
+      float32 new bias, bias's shape.
     """
     num_experts = scores.shape[-1]
     check_topk(k, num_experts)
+    bias = bias.astype(jnp.float32)
     if k == num_experts:
-        return bias.astype(jnp.float32)
-    scores = scores.reshape(-1, num_experts).astype(jnp.float32)  # [T, E]
-    biased = scores + bias.astype(jnp.float32)
-    top = jax.lax.top_k(biased, k + 1)[0]  # [T, K+1], descending
-    kth, k1th = top[:, k - 1 : k], top[:, k : k + 1]
-    chosen = biased >= kth  # [T, E]: i in the token's top-K (ties at the K-th count as chosen)
-    margins = scores - jnp.where(chosen, k1th, kth)  # [T, E]
-    if mask is not None:
-        valid = mask.reshape(-1).astype(bool)[:, None]
-        margins = jnp.where(valid, margins, jnp.nan)
-    fit = -jnp.nanquantile(margins, 1.0 - k / num_experts, axis=0)  # [E]
-    new_bias = bias + rate * (fit - bias)
+        return bias
+    layers = bias.reshape(-1, num_experts)  # [L, E]
+    scores = scores.reshape(layers.shape[0], -1, num_experts).astype(jnp.float32)  # [L, T, E]
+    biased = scores + layers[:, None]
+    # top-k of a 2-D array: XLA's CPU runs it as a top-k kernel, a 3-D one as a full sort (~10x)
+    top = jax.lax.top_k(biased.reshape(-1, num_experts), k + 1)[0].reshape(*biased.shape[:2], -1)
+    kth, k1th = top[..., k - 1 : k], top[..., k : k + 1]  # [L, T, 1], descending order
+    chosen = biased >= kth  # [L, T, E]: i in the token's top-K (ties at the K-th count as chosen)
+    margins = scores - jnp.where(chosen, k1th, kth)  # [L, T, E]
+    valid = None if mask is None else mask.reshape(-1).astype(bool)
+    fit = -jax.vmap(lambda m: column_quantile(m, 1.0 - k / num_experts, valid))(margins)  # [L, E]
+    new_bias = layers + rate * (fit - layers)
     if center:
-        new_bias = new_bias - new_bias.mean()
-    return new_bias.astype(jnp.float32)
+        new_bias = new_bias - new_bias.mean(-1, keepdims=True)
+    return new_bias.reshape(bias.shape)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (negative floats have their magnitude bits flipped)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _order_statistic(keys: jax.Array, rank: jax.Array) -> jax.Array:
+    """keys [T, E] int32 (`_sortable`), rank [R, E] int32 -> [R, E] float32: the rank-th smallest
+    (0-based) key of each column, as a float.
+
+    A bisection over the int32 range: 32 halvings of [min int32, max int32] leave one key, the
+    smallest v with #{keys <= v} > rank. Exact like a sort, and on XLA's CPU ~20x faster than
+    sorting the columns (sorting [40 layers, 2048, 16] scores took 200 ms a step)."""
+
+    def halve(_, bounds):
+        lo, hi = bounds  # the answer lies in [lo, hi]
+        mid = (lo & hi) + ((lo ^ hi) >> 1)  # floor((lo + hi) / 2) without overflow
+        enough = (keys[None] <= mid[:, None]).sum(1) > rank  # [R, E]
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    info = jnp.iinfo(jnp.int32)
+    start = (jnp.full(rank.shape, info.min, jnp.int32), jnp.full(rank.shape, info.max, jnp.int32))
+    key, _ = jax.lax.fori_loop(0, 32, halve, start)
+    bits = jnp.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def column_quantile(x: jax.Array, q: float, valid: jax.Array | None = None) -> jax.Array:
+    """[T, E] -> [E]: the q-quantile of each column over the rows where `valid` [T] (all when
+    None), interpolating linearly between order statistics (NumPy's default method); NaN for a
+    column without a valid row. Equal to numpy.nanquantile with the invalid rows set to NaN."""
+    n = x.shape[0] if valid is None else valid.sum(dtype=jnp.int32)
+    keys = _sortable(x)
+    if valid is not None:  # invalid rows rank after every valid one
+        keys = jnp.where(valid[:, None], keys, jnp.iinfo(jnp.int32).max)
+    position = q * (jnp.maximum(n, 1) - 1).astype(jnp.float32)
+    below = jnp.floor(position)
+    rank = below.astype(jnp.int32)
+    ranks = jnp.stack([rank, jnp.minimum(rank + 1, jnp.maximum(n, 1) - 1)])  # [2]
+    lower, upper = _order_statistic(keys, jnp.broadcast_to(ranks[:, None], (2, x.shape[1])))
+    out = lower + (upper - lower) * (position - below)
+    return jnp.where(n > 0, out, jnp.nan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +269,7 @@ def _dense_segment_index(segment_ids: jax.Array) -> jax.Array:
     return dense + jnp.arange(batch)[:, None] * seq
 
 
+@jax.named_scope("balance_loss")
 def sequence_balance_loss(
     scores: jax.Array,
     num_experts: int,
@@ -297,6 +345,7 @@ def _maxtext_sequence_loss(scores, num_experts, segment_ids, mask, bias, indices
     return jnp.mean(density * density_prob) * num_experts**2
 
 
+@jax.named_scope("balance_loss")
 def global_balance_loss(
     scores: jax.Array,
     num_experts: int,
@@ -327,6 +376,7 @@ def global_balance_loss(
     return num_experts * (f * p).sum()
 
 
+@jax.named_scope("balance_loss")
 def z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Router z-loss (ST-MoE), unweighted: mean over valid tokens of logsumexp_i(z[t, i])^2."""
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [...]

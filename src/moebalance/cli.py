@@ -217,5 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The installed `moebalance` command: main() in a process with huge-page malloc (runtime)."""
+    from moebalance.runtime import reexec_with_hugepage_malloc
+
+    reexec_with_hugepage_malloc()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -84,6 +84,7 @@ def _with_previous(chunks: jax.Array, fill) -> jax.Array:
     return jnp.concatenate([previous, chunks], axis=2)
 
 
+@jax.named_scope("window")
 def _window_part(q, kv, segment_ids, window: int, scale: float):
     """Sliding-window logits, computed per chunk of `window` queries against that chunk and the
     one before (the only keys a window can reach): q [B, S, H, hd], kv [B, S, hd] ->
@@ -101,6 +102,7 @@ def _window_part(q, kv, segment_ids, window: int, scale: float):
     logits = jnp.where(visible[:, None], logits, NEG_INF)
     logits = logits.reshape(b, h, -1, 2 * w)[:, :, :s]  # [B, H, S, 2W]
 
+    @jax.named_scope("window")
     def combine(probs):
         p = _chunks(probs.transpose(0, 2, 1, 3), w, 0.0)  # [B, C, W, H, 2W]
         return jnp.einsum("bcqhk,bckd->bcqhd", p, keys).reshape(b, -1, h, kv.shape[-1])[:, :s]
@@ -126,6 +128,7 @@ class Compressor(nnx.Module):
         self.ape = nnx.Param(constant(0.0, (ratio, width)))
         self.norm = RMSNorm(dim, eps)
 
+    @jax.named_scope("compressor")
     def __call__(self, x: jax.Array, freqs) -> jax.Array:
         """x [B, S, D] -> [B, S // r, d] float32, RoPE'd at each entry's first position."""
         b, s, _ = x.shape
@@ -162,6 +165,7 @@ class Indexer(nnx.Module):
         self.compressor = Compressor(dims.emb_dim, dims.index_head_dim, dims.ratio,
                                      dims.rope_dim, dims.eps, rngs)
 
+    @jax.named_scope("indexer")
     def __call__(self, x, qr, cos, sin, freqs, visible) -> tuple[jax.Array, jax.Array]:
         """visible [B, S, n] (causality and segments) -> (indices [B, S, k] int32 of the entries
         each query attends, valid [B, S, k] bool: False where fewer than k are visible)."""
@@ -198,6 +202,7 @@ class Attention(nnx.Module):
                            if c.ratio else None)
         self.indexer = Indexer(dims, rngs) if c.ratio == 4 else None
 
+    @jax.named_scope("attention")
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  freqs) -> jax.Array:
         """x [B, S, D] (the attention norm's output), positions, segment_ids [B, S] -> [B, S, D]."""
@@ -216,21 +221,22 @@ class Attention(nnx.Module):
         chunked_logits, combine_window = _window_part(q, kv, segment_ids, c.window, scale)
         logits.append(chunked_logits)
         values.append(combine_window)
-        if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
-            ckv = self.compressor(x, freqs)  # [B, n, hd]
-            n = ckv.shape[1]
-            visible = visible_entries(s, n, c.ratio)[None] & (
-                segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
-            if self.indexer is not None:  # CSA: the indexer's top-k entries, gathered
-                top, valid = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, k]
-                entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
-                clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
-                logits.append(jnp.where(valid[:, None], clogits, NEG_INF))
-                values.append(lambda p, e=entries: jnp.einsum("bhsk,bskd->bshd", p, e))
-            else:  # HCA: every visible entry
-                clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
-                logits.append(jnp.where(visible[:, None], clogits, NEG_INF))
-                values.append(lambda p, e=ckv: jnp.einsum("bhsn,bnd->bshd", p, e))
+        with jax.named_scope("compressed"):
+            if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
+                ckv = self.compressor(x, freqs)  # [B, n, hd]
+                n = ckv.shape[1]
+                visible = visible_entries(s, n, c.ratio)[None] & (
+                    segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
+                if self.indexer is not None:  # CSA: the indexer's top-k entries, gathered
+                    top, valid = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, k]
+                    entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
+                    clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+                    logits.append(jnp.where(valid[:, None], clogits, NEG_INF))
+                    values.append(lambda p, e=entries: jnp.einsum("bhsk,bskd->bshd", p, e))
+                else:  # HCA: every visible entry
+                    clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
+                    logits.append(jnp.where(visible[:, None], clogits, NEG_INF))
+                    values.append(lambda p, e=ckv: jnp.einsum("bhsn,bnd->bshd", p, e))
         sink = jnp.broadcast_to(self.attn_sink[...][None, :, None, None], (b, c.heads, s, 1))
         probs = jax.nn.softmax(jnp.concatenate([*logits, sink], axis=-1), axis=-1)
         widths = np.cumsum([part.shape[-1] for part in logits])[:-1]

@@ -250,7 +250,8 @@ class MoE(nnx.Module):
                 expert_mlp=self.expert_mlp, layout=self._layout, config=c)
             y = y.reshape(num_tokens, c.emb_dim)
         if self.shared is not None:
-            y = y + self.shared(xt).astype(jnp.float32)
+            with jax.named_scope("shared"):
+                y = y + self.shared(xt).astype(jnp.float32)
         rec = rec._replace(
             indices=rec.indices.reshape(*lead, k),
             weights=rec.weights.reshape(*lead, k),

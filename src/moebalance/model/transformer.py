@@ -147,11 +147,11 @@ class Stack(nnx.Module):
         def body(h, unit_state):
             return nnx.merge(graphdef, unit_state)(h, token_ids, positions, segment_ids, mask)
 
-        h, records = jax.lax.scan(body, h, state)  # [n][period] records
-        # interleave to block order: unit 0's blocks, unit 1's blocks, ...
+        h, records = jax.lax.scan(body, h, state)  # [period] records of [n, ...] arrays
+        # block order (unit 0's blocks, unit 1's blocks, ...) with a leading layer axis; kept
+        # stacked: slicing out single layers would make the backward pad every one to [n, ...]
         stacked = jax.tree.map(lambda *r: jnp.stack(r, axis=1), *records)  # [n, period, ...]
-        per_layer = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stacked)
-        return h, [jax.tree.map(lambda x: x[i], per_layer) for i in range(per_layer.counts.shape[0])]
+        return h, jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), stacked)
 
 
 def build_hash_tables(cfg: Config, tables=None) -> list:
@@ -210,6 +210,7 @@ class DeepSeekV4(nnx.Module):
         self.head = nnx.Param(dense_init(rngs, (d, v), jnp.float32))  # untied, float32
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
 
+    @jax.named_scope("head")
     def logits(self, y):
         return y.astype(jnp.float32) @ self.head[...]
 
@@ -225,13 +226,14 @@ class DeepSeekV4(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         if segment_ids is None:
             segment_ids = jnp.zeros((b, s), jnp.int32)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
+        with jax.named_scope("embed"):
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
         h = jnp.broadcast_to(x[:, :, None], (b, s, c.hc_mult, c.base_emb_dim))  # [B, S, m, D]
-        records = []
+        records = []  # per segment, fields with a leading layer axis
         for seg in self.segments:
             h, rec = seg(h, tokens, positions, segment_ids, mask)
-            records.extend(rec if isinstance(rec, list) else [rec])
-        stacked = jax.tree.map(lambda *r: jnp.stack(r), *records)
+            records.append(rec if isinstance(seg, Stack) else jax.tree.map(lambda x: x[None], rec))
+        stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *records)
         logits = self.logits(self.norm(self.hc_head(h)))
         if self.mtp is None:
             return ModelOutput(logits, stacked, None, None)

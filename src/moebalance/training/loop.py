@@ -163,8 +163,7 @@ def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batch
     for _ in range(iterations):
         with biases_set_to(model, fit):
             scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
-        fit = jax.vmap(lambda s, b: balancing.quantile_bias(s, b, cfg.num_experts_per_tok))(
-            scores, fit)
+        fit = balancing.quantile_bias(scores, fit, cfg.num_experts_per_tok)
     return fit
 
 

@@ -50,6 +50,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return adamw
 
 
+@jax.named_scope("loss")
 def _masked_ce(logits, targets, mask):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
@@ -150,21 +151,28 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None):
         metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
                        lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
         rate = bias_rate(cfg, optimizer.step[...])
-        optimizer.update(model, grads)
-        if routed:
-            biases = get_biases(model)
-            if cfg.routed_bias_update_rule == "quantile":
-                flat = scores.swapaxes(0, 1).reshape(len(routed), -1, cfg.num_experts)
-                new = jax.vmap(lambda s, b: balancing.quantile_bias(
-                    s, b, cfg.num_experts_per_tok, rate=rate))(flat, biases)
-            else:
-                new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
-                                            rule=cfg.routed_bias_update_rule, rate=rate)
-            set_biases(model, new)
-            metrics["bias"] = new
+        with jax.named_scope("optimizer"):
+            optimizer.update(model, grads)
+        with jax.named_scope("bias_update"):
+            update_biases(cfg, model, routed, counts, scores, rate, metrics)
         return metrics
 
     return on_mesh(step, mesh)
+
+
+def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, metrics):
+    """The bias update of the top-k blocks after the optimizer step (records `bias` in metrics)."""
+    if not routed:
+        return
+    biases = get_biases(model)
+    if cfg.routed_bias_update_rule == "quantile":
+        new = balancing.quantile_bias(scores.swapaxes(0, 1), biases,  # [L_routed, A, ..., E]
+                                      cfg.num_experts_per_tok, rate=rate)
+    else:
+        new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
+                                    rule=cfg.routed_bias_update_rule, rate=rate)
+    set_biases(model, new)
+    metrics["bias"] = new
 
 
 def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):

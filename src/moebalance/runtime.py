@@ -1,0 +1,44 @@
+"""Process set-up that has to happen before the process allocates: glibc's huge-page malloc.
+
+XLA's CPU runtime allocates every step's temporary buffers afresh (gigabytes for a training step),
+and glibc serves blocks that large with new mmaps, so each step page-faults its whole working set
+in 4 KiB pages: measured on deepseek4-tiny (8 x 256 tokens), 810k faults and 1.9 s of system time
+per 4.2 s step. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) backs those mappings with
+transparent huge pages: 13k faults, 0.3 s, the step 3.3 s. glibc reads tunables only when a
+process starts, so the command line re-executes itself once with the tunable set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def _glibc_supports_hugetlb() -> bool:
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # e.g. "glibc 2.36"
+    except (AttributeError, ValueError, OSError):
+        return False  # not glibc (musl, macOS, Windows)
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return name == "glibc" and (major, minor) >= (2, 35)
+
+
+def hugepage_malloc_env(environ=os.environ) -> dict | None:
+    """The environment to re-execute with, or None when the tunable is set or not supported."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables or not _glibc_supports_hugetlb():
+        return None
+    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, TUNABLE]))}
+
+
+def reexec_with_hugepage_malloc() -> None:
+    """Replace this process by the same command with the tunable set (returns when not needed).
+
+    Only for entry points (the CLI, benchmarks): it restarts the interpreter."""
+    env = hugepage_malloc_env()
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
