@@ -95,6 +95,21 @@ def test_hyper_connection_matches_reference():
                                                               rcomb), rtol=1e-4, atol=1e-5)
 
 
+def test_hyper_connection_post_gradient_matches_autodiff_of_the_plain_formula():
+    m, d = 4, 8
+    args = [jnp.asarray(RNG.normal(size=shape), jnp.float32)
+            for shape in ((2, 3, d), (2, 3, m, d), (2, 3, m), (2, 3, m, m))]
+    weights = jnp.asarray(RNG.normal(size=(2, 3, m, d)), jnp.float32)
+
+    def plain(fy, h, post, comb):  # h'[i] = post[i] * f(y) + sum_j comb[j, i] * h[j]
+        return post[..., None] * fy[..., None, :] + (comb[..., None] * h[..., None, :]).sum(-3)
+
+    got = jax.grad(lambda *a: (HyperConnection.post(*a) * weights).sum(), argnums=(0, 1, 2, 3))
+    want = jax.grad(lambda *a: (plain(*a) * weights).sum(), argnums=(0, 1, 2, 3))
+    for g, w in zip(got(*args), want(*args)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def _randomize(module, scale=0.5):
     """Give zero/one-initialised parameters (sinks, ape, norms) random values too."""
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
