@@ -33,6 +33,8 @@ class ModelOutput(NamedTuple):
     routing: RoutingRecord  # every field with a leading layer axis L (block order)
     mtp_logits: jax.Array | None  # [B, S, V] float32: position t predicts token t+2
     mtp_routing: RoutingRecord | None
+    hidden: jax.Array  # [B, S, D] the head's input (logits = hidden @ head): what a fused loss
+    mtp_hidden: jax.Array | None  # needs; under jit, logits nobody reads are never computed
 
 
 def attention_dims(cfg: Config, ratio: int) -> AttentionDims:
@@ -83,10 +85,16 @@ class Block(nnx.Module):
         return HyperConnection.post(out, h, post, comb), record
 
     def __call__(self, h, token_ids, positions, segment_ids, mask):
-        if self.remat:
-            return nnx.remat(lambda blk, *a: blk.forward(*a))(self, h, token_ids, positions,
-                                                              segment_ids, mask)
-        return self.forward(h, token_ids, positions, segment_ids, mask)
+        if not self.remat:
+            return self.forward(h, token_ids, positions, segment_ids, mask)
+        # jax.checkpoint over the split state, not nnx.remat: under a layer scan the parameters
+        # and the hash table are traced at different levels, which nnx.remat refuses
+        graphdef, state = nnx.split(self)
+
+        def forward(state, *args):
+            return nnx.merge(graphdef, state).forward(*args)
+
+        return jax.checkpoint(forward)(state, h, token_ids, positions, segment_ids, mask)
 
 
 def layer_kinds(cfg: Config) -> list[tuple[int, bool]]:
@@ -234,9 +242,9 @@ class DeepSeekV4(nnx.Module):
             h, rec = seg(h, tokens, positions, segment_ids, mask)
             records.append(rec if isinstance(seg, Stack) else jax.tree.map(lambda x: x[None], rec))
         stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *records)
-        logits = self.logits(self.norm(self.hc_head(h)))
+        hidden = self.norm(self.hc_head(h))
         if self.mtp is None:
-            return ModelOutput(logits, stacked, None, None)
+            return ModelOutput(self.logits(hidden), stacked, None, None, hidden, None)
         if mtp_tokens is None:
             raise ValueError("this model has an MTP layer: pass mtp_tokens (the next tokens)")
         mtp = self.mtp
@@ -244,7 +252,9 @@ class DeepSeekV4(nnx.Module):
         hm = (e @ mtp.e_proj[...].astype(self.dtype))[:, :, None] + mtp.hnorm(h) @ mtp.h_proj[
             ...].astype(self.dtype)
         hm, mtp_record = mtp.block(hm, mtp_tokens, positions, segment_ids, mask)
-        return ModelOutput(logits, stacked, self.logits(mtp.norm(mtp.hc_head(hm))), mtp_record)
+        mtp_hidden = mtp.norm(mtp.hc_head(hm))
+        return ModelOutput(self.logits(hidden), stacked, self.logits(mtp_hidden), mtp_record,
+                           hidden, mtp_hidden)
 
 
 def parameter_counts(cfg: Config) -> dict[str, int]:

@@ -23,6 +23,7 @@ from flax import nnx
 from moebalance import balancing
 from moebalance.config import Config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
+from moebalance.training.cross_entropy import token_cross_entropy
 
 NO_DECAY = ("weight", "scale", "base", "attn_sink", "ape")  # norms, hc scales/biases, sinks
 
@@ -51,9 +52,16 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 @jax.named_scope("loss")
-def _masked_ce(logits, targets, mask):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+def token_ce(model: DeepSeekV4, hidden, targets):
+    """hidden [..., D] (the head's input), targets [...] -> [...] float32 cross-entropy, without
+    the full logits (cross_entropy)."""
+    ce, _ = token_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.head[...],
+                                targets.reshape(-1))
+    return ce.reshape(targets.shape)
+
+
+def _masked_ce(model, hidden, targets, mask):
+    return (token_ce(model, hidden, targets) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
@@ -65,10 +73,11 @@ def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
     mtp = cfg.mtp_num_layers > 0
     out = model(inputs, segment_ids=segment_ids, mtp_tokens=targets if mtp else None)
     m = mask.astype(jnp.float32)
-    aux = {"ce": _masked_ce(out.logits, targets, m)}
+    aux = {"ce": _masked_ce(model, out.hidden, targets, m)}
     total = aux["ce"]
     if mtp:  # position t predicts token t+2
-        aux["mtp"] = _masked_ce(out.mtp_logits[:, :-1], tokens[:, 2:], m[:, :-1] * m[:, 1:])
+        aux["mtp"] = _masked_ce(model, out.mtp_hidden[:, :-1], tokens[:, 2:],
+                                m[:, :-1] * m[:, 1:])
         total = total + cfg.mtp_loss_scaling_factor * aux["mtp"]
     rec = out.routing
     idx = jnp.asarray(routed, jnp.int32)
@@ -182,7 +191,7 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     @nnx.jit
     def step(model, tokens, mask, segment_ids):
         out = model(tokens[:, :-1], segment_ids=segment_ids)
-        ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:])
+        ce = token_ce(model, out.hidden, tokens[:, 1:])
         m = mask.astype(jnp.float32)
         return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
 
