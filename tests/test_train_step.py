@@ -125,3 +125,41 @@ def test_weight_decay_skips_norms_and_scales():
     updates, _ = tx.update(zero, tx.init(params), params)  # zero gradients: only decay moves
     np.testing.assert_array_equal(updates["norm"]["weight"], 0.0)
     np.testing.assert_allclose(updates["attn"]["wq_a"], -0.1 * 0.5, rtol=1e-6)
+
+
+def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
+    from moebalance.experiment import without_balancing
+    from moebalance.training import step as step_module
+
+    tokens, mask, seg = batch(1, 2, seed=5)
+    cfg_b, _, _ = setup(global_balance_loss_weight=1e-3)
+    cfg_a = without_balancing(cfg_b)
+    results = {}
+    for name, program in (("alone", None), ("shared", cfg_b)):
+        _, model, opt = setup()
+        step = make_train_step(cfg_a, model, program=program)
+        compiled = step_module._train_step(step_module._program_key(program or cfg_a),
+                                           tuple(routed_layers(model)), None)
+        for _ in range(2):
+            metrics = step(model, opt, tokens, mask, seg)
+        results[name] = (metrics, get_biases(model), nnx.state(model, nnx.Param))
+    (alone, bias_alone, params_alone), (shared, bias_shared, params_shared) = results.values()
+    np.testing.assert_array_equal(bias_shared, bias_alone)  # the bias never moved
+    np.testing.assert_array_equal(shared["counts"], alone["counts"])
+    np.testing.assert_allclose(shared["loss"], alone["loss"], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+                 params_shared, params_alone)
+    # Run B then runs on the program Run A compiled: one program, no second compilation
+    _, model_b, opt_b = setup(global_balance_loss_weight=1e-3)
+    make_train_step(cfg_b, model_b)(model_b, opt_b, tokens, mask, seg)
+    assert compiled.jitted_fn._cache_size() == 1
+    assert not np.array_equal(get_biases(model_b), bias_shared)
+
+
+def test_a_shared_program_refuses_configs_it_cannot_run():
+    cfg_b, model, _ = setup()
+    for change in ({"num_experts_per_tok": 1}, {"routed_bias_update_rate": 0.5},
+                   {"global_balance_loss_weight": 1e-3}):
+        cfg = load_config("deepseek4-smoke", {**BASE, **change})
+        with pytest.raises(ValueError, match=next(iter(change))):
+            make_train_step(cfg, model, program=cfg_b)

@@ -24,6 +24,7 @@ bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -76,21 +77,25 @@ def _read_utf8(path: Path) -> str | None:
         return None
 
 
-def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
-    """(name, path) of every file matching the config, valid or not, in no particular order."""
-    if not cfg.dataset_path:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        for path in root.rglob(cfg.dataset_glob):
-            rel = path.relative_to(root)
-            if path.is_file() and not set(rel.parts) & set(EXCLUDED_DIRS):
-                yield rel.as_posix(), path
+def _candidates(dataset_path, dataset_glob: str) -> Iterator[tuple[str, Path]]:
+    """(name, path) of every file matching the config keys, valid or not, in no particular
+    order."""
+    if not dataset_path:  # walked without descending into third-party code: rglob would list
+        root = sysconfig.get_paths()["stdlib"]  # (and filter) 10k+ files of site-packages
+        for folder, subdirs, files in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if d not in EXCLUDED_DIRS)
+            for name in files:
+                path = Path(folder, name)
+                rel = path.relative_to(root)
+                if rel.match(dataset_glob) and path.is_file():
+                    yield rel.as_posix(), path
         return
-    for entry in sorted(cfg.dataset_path):
+    for entry in sorted(dataset_path):
         root = Path(entry).expanduser()
         if root.is_file():
             yield root.name, root
         elif root.is_dir():
-            for path in root.rglob(cfg.dataset_glob):
+            for path in root.rglob(dataset_glob):
                 if path.is_file():
                     yield path.relative_to(root).as_posix(), path
         else:
@@ -103,9 +108,10 @@ def corpus_documents(cfg: Config) -> list[Document]:
     searched recursively for `dataset_glob`), without empty files and files that are not UTF-8.
     A file reached twice (nested entries, links) counts once."""
     docs: dict[Path, Document] = {}
-    for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
+    for name, path in sorted(_candidates(cfg.dataset_path, cfg.dataset_glob),
+                             key=lambda c: (c[1], c[0])):
         resolved = path.resolve()
-        if resolved not in docs and _read_utf8(path):
+        if resolved not in docs and _is_text(resolved):
             docs[resolved] = Document(name, path)
     if not docs:
         where = cfg.dataset_path or [sysconfig.get_paths()["stdlib"]]
@@ -113,6 +119,18 @@ def corpus_documents(cfg: Config) -> list[Document]:
                         f"matches {cfg.dataset_glob!r} in {where}; point dataset_path at text "
                         "files or directories, or change dataset_glob (e.g. '*.txt')")
     return sorted(docs.values(), key=lambda d: d.path)
+
+
+def _is_text(path: Path) -> bool:
+    """Non-empty UTF-8; read once per process and file version (a run lists the corpus for both
+    splits, an experiment for both runs)."""
+    stat = path.stat()
+    return _is_text_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_text_version(path: Path, size: int, mtime_ns: int) -> bool:
+    return bool(_read_utf8(path))
 
 
 def corpus_files(cfg: Config) -> list[Path]:

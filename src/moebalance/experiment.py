@@ -5,7 +5,8 @@
     Run B   the config as given: its balancing recipe
 
 Both start from the same initial weights (the same seed) and see the same batches in the same
-order; both measure the same held-out probe batch before the first step and after the last. DIR
+order; both measure the same held-out probe batch before the first step and after the last. Both
+run one compiled step (Run B's, with Run A's balancing switched off as traced values). DIR
 holds run_a/ and run_b/ (ordinary run directories) and the report: table.md, table.json, the plots
 and report.html (moebalance.report).
 """
@@ -49,9 +50,9 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
             if _finished(run_dir, run_cfg.steps):
                 console.print("already finished")
                 continue
-            train(run_cfg, run_dir, resume=True, progress=progress)
+            train(run_cfg, run_dir, resume=True, progress=progress, program=cfg)
         else:
-            train(run_cfg, run_dir, overwrite=True, progress=progress)
+            train(run_cfg, run_dir, overwrite=True, progress=progress, program=cfg)
     return report.ab_report(out / "run_a", out / "run_b", out, console,
                             overwrite=overwrite or resume)
 

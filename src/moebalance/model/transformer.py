@@ -194,7 +194,9 @@ class MTP(nnx.Module):
 
 class DeepSeekV4(nnx.Module):
     def __init__(self, cfg: Config, *, hash_tables=None, rngs: nnx.Rngs):
-        self.config = cfg
+        # the shapes __call__ needs, not the whole config: the model's static structure stays the
+        # same for runs that differ only in training keys (they share compiled steps)
+        self.vocab_size, self.hc_mult, self.emb_dim = cfg.vocab_size, cfg.hc_mult, cfg.base_emb_dim
         d, v, wd = cfg.base_emb_dim, cfg.vocab_size, cfg.weight_dtype
         self.dtype = jnp.dtype(cfg.dtype)
         self.embed = nnx.Param(init_normal(rngs, (v, d), wd, 1.0))
@@ -227,8 +229,7 @@ class DeepSeekV4(nnx.Module):
         """tokens [B, S] int; positions [B, S] (default 0..S-1); segment_ids [B, S] (packed
         documents: attention stays within a segment; default one segment); mask [B, S] valid
         tokens (for the routing counts); mtp_tokens [B, S]: the token after each position."""
-        c = self.config
-        routing.check_token_ids(tokens, c.vocab_size)
+        routing.check_token_ids(tokens, self.vocab_size)
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
@@ -236,7 +237,7 @@ class DeepSeekV4(nnx.Module):
             segment_ids = jnp.zeros((b, s), jnp.int32)
         with jax.named_scope("embed"):
             x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
-        h = jnp.broadcast_to(x[:, :, None], (b, s, c.hc_mult, c.base_emb_dim))  # [B, S, m, D]
+        h = jnp.broadcast_to(x[:, :, None], (b, s, self.hc_mult, self.emb_dim))  # [B, S, m, D]
         records = []  # per segment, fields with a leading layer axis
         for seg in self.segments:
             h, rec = seg(h, tokens, positions, segment_ids, mask)

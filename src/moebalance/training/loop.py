@@ -218,8 +218,11 @@ def _tensorboard(writer, record: dict) -> None:
 
 
 def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
-          progress: bool = True) -> dict:
-    """Train `cfg.steps` steps into run directory `out`; returns the last step's record."""
+          progress: bool = True, program: Config | None = None) -> dict:
+    """Train `cfg.steps` steps into run directory `out`; returns the last step's record.
+
+    program: run on the step compiled for this config (see make_train_step), e.g. Run B's for
+    Run A, so that an experiment compiles its step once."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from tensorboardX import SummaryWriter
@@ -247,7 +250,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
     if resume and writer_process:
         rewind_logs(out, first, cfg)
-    step_fn = make_train_step(cfg, model, mesh)
+    step_fn = make_train_step(cfg, model, mesh, program)
     eval_step = make_eval_step(cfg, model, mesh)
     routed = routed_layers(model)
     ranks = mesh.shape["expert"]

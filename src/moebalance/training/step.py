@@ -13,7 +13,10 @@ blocks (DeepSeek applies alpha per layer); mode 'maxtext' averages them over blo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +46,24 @@ def decay_mask(params):
         lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY, params)
 
 
+OPTIMIZER_KEYS = ("learning_rate", "warmup_steps_fraction", "steps",
+                  "cosine_learning_rate_final_fraction", "adam_b1", "adam_b2", "adam_eps",
+                  "adam_weight_decay", "gradient_clipping_threshold")
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    adamw = optax.adamw(lr_schedule(cfg), b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                        weight_decay=cfg.adam_weight_decay, mask=decay_mask)
-    if cfg.gradient_clipping_threshold > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
+    """AdamW (+ clipping); one object per hyperparameter set, so that the optimizers of runs with
+    the same hyperparameters are equal and share compiled steps (it is static in their graph)."""
+    return _optimizer(tuple(getattr(cfg, key) for key in OPTIMIZER_KEYS))
+
+
+@functools.cache
+def _optimizer(values: tuple) -> optax.GradientTransformation:
+    hp = types.SimpleNamespace(**dict(zip(OPTIMIZER_KEYS, values)))
+    adamw = optax.adamw(lr_schedule(hp), b1=hp.adam_b1, b2=hp.adam_b2, eps=hp.adam_eps,
+                        weight_decay=hp.adam_weight_decay, mask=decay_mask)
+    if hp.gradient_clipping_threshold > 0:
+        return optax.chain(optax.clip_by_global_norm(hp.gradient_clipping_threshold), adamw)
     return adamw
 
 
@@ -64,11 +80,14 @@ def _masked_ce(model, hidden, targets, mask):
     return (token_ce(model, hidden, targets) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
+def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed, weights=None):
     """tokens [B, S+1]; mask [B, S]: which targets count in the loss (not those that cross a
-    document boundary); segment_ids [B, S]: packed documents. -> (total, aux dict).
+    document boundary); segment_ids [B, S]: packed documents; weights: the balance-loss weights
+    (`switches`; default the config's). -> (total, aux dict). A balance loss is computed when the
+    config's weight is positive and weighted by `weights`.
 
     Every input token is routed, counted and balanced (the data has no padding)."""
+    weights = switches(cfg) if weights is None else weights
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     mtp = cfg.mtp_num_layers > 0
     out = model(inputs, segment_ids=segment_ids, mtp_tokens=targets if mtp else None)
@@ -91,11 +110,11 @@ def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed):
         else:
             aux["sequence_loss"] = jax.vmap(lambda s: balancing.sequence_balance_loss(
                 s, e, k, segment_ids=segment_ids))(rec.scores[idx]).sum()
-        total = total + cfg.load_balance_loss_weight * aux["sequence_loss"]
+        total = total + weights["load_balance_loss_weight"] * aux["sequence_loss"]
     if cfg.global_balance_loss_weight > 0:
         aux["global_loss"] = jax.vmap(lambda s, c: balancing.global_balance_loss(
             s, e, k, counts=c))(rec.scores[idx], rec.counts[idx]).sum()
-        total = total + cfg.global_balance_loss_weight * aux["global_loss"]
+        total = total + weights["global_balance_loss_weight"] * aux["global_loss"]
     if cfg.router_z_loss_weight > 0:
         aux["z_loss"] = jax.vmap(balancing.z_loss)(rec.logits).sum()
         total = total + cfg.router_z_loss_weight * aux["z_loss"]
@@ -129,18 +148,70 @@ def on_mesh(fn, mesh):
     return run
 
 
-def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None):
+# The config keys in which Run A of the A/B experiment differs from Run B. A step takes their
+# values as traced arguments, so that runs differing only in them share one compiled program.
+SWITCHES = ("routed_bias", "routed_bias_update_rate", "load_balance_loss_weight",
+            "global_balance_loss_weight")
+
+
+def switches(cfg: Config) -> dict[str, jax.Array]:
+    """The traced values of a run's SWITCHES: `bias` scales the program's bias rate (0: off)."""
+    return {"bias": jnp.float32(cfg.routed_bias and cfg.routed_bias_update_rate != 0),
+            "load_balance_loss_weight": jnp.float32(cfg.load_balance_loss_weight),
+            "global_balance_loss_weight": jnp.float32(cfg.global_balance_loss_weight)}
+
+
+def _program_key(cfg: Config) -> str:
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config | None = None):
     """-> step(model, optimizer, tokens [A, B, S+1], mask [A, B, S], segment_ids [A, B, S])
     returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E]).
-    With a multi-device `mesh` the routed experts run per device (expert parallelism)."""
-    routed = routed_layers(model)
+    With a multi-device `mesh` the routed experts run per device (expert parallelism).
+
+    program: the config the step is compiled for (default `cfg`); `cfg` may differ from it in
+    SWITCHES only, whose values it passes at run time: with program = Run B's config, Run A runs
+    Run B's compiled step with its balancing switched off (bias rate and loss weights 0)."""
+    program = program or cfg
+    _check_switchable(cfg, program)
+    compiled = _train_step(_program_key(program), tuple(routed_layers(model)), mesh)
+    values = switches(cfg)
+
+    def step(model, optimizer, tokens, mask, segment_ids):
+        return compiled(model, optimizer, tokens, mask, segment_ids, values)
+
+    return step
+
+
+def _check_switchable(cfg: Config, program: Config) -> None:
+    """`cfg` runs on `program`'s step: equal but for SWITCHES, its bias either off or the
+    program's, and no balance loss that the program does not compute."""
+    differs = [f.name for f in dataclasses.fields(Config)
+               if f.name not in SWITCHES and getattr(cfg, f.name) != getattr(program, f.name)]
+    if cfg.routed_bias and cfg.routed_bias_update_rate and (
+            cfg.routed_bias_update_rate != program.routed_bias_update_rate
+            or not program.routed_bias):
+        differs.append("routed_bias_update_rate")
+    differs += [key for key in ("load_balance_loss_weight", "global_balance_loss_weight")
+                if getattr(cfg, key) and not getattr(program, key)]
+    if differs:
+        raise ValueError(f"this config cannot run on a step compiled for another: {differs} "
+                         "differ (a shared step switches the bias off and reweights its losses)")
+
+
+@functools.cache
+def _train_step(program_key: str, routed: tuple[int, ...], mesh):
+    """The jitted step of a program (one per program, mesh and model layout: jax.jit's cache)."""
+    cfg = Config(**json.loads(program_key))
+    routed = list(routed)
 
     @nnx.jit
-    def step(model, optimizer, tokens, mask, segment_ids):
+    def step(model, optimizer, tokens, mask, segment_ids, values):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
         def loss_of(params, tok, msk, seg):
-            return losses(cfg, nnx.merge(graphdef, params, rest), tok, msk, seg, routed)
+            return losses(cfg, nnx.merge(graphdef, params, rest), tok, msk, seg, routed, values)
 
         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -159,7 +230,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None):
         metrics = {name: value.mean() for name, value in aux.items()}
         metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
                        lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
-        rate = bias_rate(cfg, optimizer.step[...])
+        rate = values["bias"] * bias_rate(cfg, optimizer.step[...])
         with jax.named_scope("optimizer"):
             optimizer.update(model, grads)
         with jax.named_scope("bias_update"):
@@ -186,8 +257,12 @@ def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, 
 
 def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], mask [B, S], segment_ids [B, S]) -> {ce_sum, tokens,
-    counts}; never touches the bias."""
+    counts}; never touches the bias. One per mesh, so models of one layout share its compilation."""
+    return _eval_step(mesh)
 
+
+@functools.cache
+def _eval_step(mesh):
     @nnx.jit
     def step(model, tokens, mask, segment_ids):
         out = model(tokens[:, :-1], segment_ids=segment_ids)
@@ -201,11 +276,16 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
 def make_score_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], segment_ids [B, S]) -> [L_routed, B*S, E] float32 unbiased
     router scores of the top-k blocks (their selection used the current biases)."""
-    routed = jnp.asarray(routed_layers(model), jnp.int32)
+    return _score_step(tuple(routed_layers(model)), cfg.num_experts, mesh)
+
+
+@functools.cache
+def _score_step(routed: tuple[int, ...], num_experts: int, mesh):
+    routed = jnp.asarray(routed, jnp.int32)
 
     @nnx.jit
     def step(model, tokens, segment_ids):
         scores = model(tokens[:, :-1], segment_ids=segment_ids).routing.scores[routed]
-        return scores.reshape(len(routed), -1, cfg.num_experts).astype(jnp.float32)
+        return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
 
     return on_mesh(step, mesh)
