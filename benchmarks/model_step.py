@@ -3,7 +3,8 @@
 One step = the trainer's jitted step (forward, losses, backward, AdamW, bias update) on the
 config's data (text for deepseek4-tiny; the tokenizer is built once and cached). Prints one JSON
 line per dtype: model and data init time, compile time (first call), mean step time over the next
-`--steps` calls and tokens/s.
+`--steps` calls, tokens/s, the bytes of the parameters and optimizer state, and the process's peak
+resident memory (ru_maxrss, compilation included).
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
                                     [--steps 5] [--dtypes float32,bfloat16] [key=value ...]
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import jax
+from flax import nnx
 
 from moebalance.config import load_config
 from moebalance.data import batches
+from moebalance.runtime import reexec_with_hugepage_malloc
 from moebalance.training import sharding
 from moebalance.training.loop import build
 from moebalance.training.step import make_train_step
@@ -52,6 +56,9 @@ def bench(config, overrides, batch, seq, steps, dtype):
         "batch": batch, "seq": seq, "init_s": round(init_s, 2),
         "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
         "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(metrics["loss"]), 4),
+        "state_gb": round(sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
+                          / 2**30, 3),
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "backend": jax.default_backend(),
     }
 
@@ -65,6 +72,7 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
+    reexec_with_hugepage_malloc()
     for dtype in args.dtypes.split(","):
         print(json.dumps(bench(args.config, args.overrides, args.batch, args.seq, args.steps,
                                dtype)), flush=True)

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -205,6 +206,27 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
     tables = [blk.ffn.hash_table[...] for blk in unrolled.segments[:2]]
     for layer in range(2):
         np.testing.assert_array_equal(b.routing.indices[layer], np.asarray(tables[layer])[tokens])
+
+
+def test_full_remat_gives_the_same_loss_and_gradients_under_the_layer_scan():
+    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4], base_num_decoder_layers=7,
+                first_num_hash_layers=2, max_target_length=16)  # hash blocks 0-1: one scan
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    results = []
+    for policy in ("none", "full"):
+        cfg = load_config("deepseek4-smoke", {**over, "remat_policy": policy})
+        model = DeepSeekV4(cfg, rngs=nnx.Rngs(3))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params):
+            out = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
+
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (loss_none, grads_none), (loss_full, grads_full) = results
+    np.testing.assert_allclose(loss_full, loss_none, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 grads_full, grads_none)
 
 
 def test_tiny_config_trains_on_a_fixed_batch():

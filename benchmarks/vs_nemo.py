@@ -1,0 +1,66 @@
+"""Training-step throughput side by side with NVIDIA NeMo Automodel's PyTorch DeepSeek-V4.
+
+For each shape (vocabulary, batch, sequence), in one sitting: NeMo's step
+(../shared/peers/nemo_dsv4_step.py, the deepseek4-tiny model in NeMo's config, fp32, AdamW,
+gate-bias update and aux loss on; median step time) and this project's step
+(benchmarks/model_step.py: deepseek4-tiny on synthetic tokens, fp32, the default recipe's
+Quantile Balancing and sequence loss), each in a fresh process. Prints one JSON line per shape
+with both tokens/s and their ratio. The peer venv comes from ../shared/peers/setup-peers.
+
+    python benchmarks/vs_nemo.py [--peer-python ~/.peers/torch/bin/python] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = [(8192, 8, 256), (129280, 4, 256)]  # (vocabulary, batch, sequence)
+
+
+def nemo(peer_python: str, script: Path, vocab: int, batch: int, seq: int, steps: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([peer_python, str(script), "--config", "maxtext-tiny", "--vocab",
+                        str(vocab), "--batch", str(batch), "--seq", str(seq), "--steps",
+                        str(steps + 1), "--warmup", "1", "--bias-rate", "0.001",
+                        "--aux-coeff", "0.0001", "--json", out.name],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads(Path(out.name).read_text())
+
+
+def ours(vocab: int, batch: int, seq: int, steps: int) -> dict:
+    run = subprocess.run([sys.executable, str(HERE / "model_step.py"), "--batch", str(batch),
+                          "--seq", str(seq), "--steps", str(steps), "--dtypes", "float32",
+                          "dataset_type=synthetic", f"vocab_size={vocab}",
+                          f"tokenizer_vocab_size={vocab}"],
+                         check=True, capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer-python", default=str(Path.home() / ".peers/torch/bin/python"))
+    parser.add_argument("--nemo-script", default=str(HERE.parent.parent / "shared/peers/"
+                                                     "nemo_dsv4_step.py"))
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    for vocab, batch, seq in SHAPES:
+        peer = nemo(args.peer_python, Path(args.nemo_script), vocab, batch, seq, args.steps)
+        mine = ours(vocab, batch, seq, args.steps)
+        nemo_tps = batch * seq / peer["step_time_median_s"]
+        print(json.dumps({
+            "vocab": vocab, "batch": batch, "seq": seq,
+            "nemo_step_s": round(peer["step_time_median_s"], 3),
+            "nemo_tokens_per_s": round(nemo_tps, 1), "moebalance_step_s": mine["step_s"],
+            "moebalance_tokens_per_s": mine["tokens_per_s"],
+            "moebalance_compile_s": mine["compile_s"],
+            "ratio": round(mine["tokens_per_s"] / nemo_tps, 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
