@@ -1,8 +1,16 @@
-"""Test-session set-up: the pytest-xdist workers (new processes, started after this file is read)
-inherit glibc's huge-page malloc tunable, as the `moebalance` command sets it (moebalance.runtime)."""
+"""Test-session set-up, inherited by the pytest-xdist workers (new processes, started after this
+file is read) and by the tests' own subprocesses:
+
+- glibc's huge-page malloc tunable, as the `moebalance` command sets it (moebalance.runtime);
+- XLA's CPU backend at its lowest LLVM optimisation: the tests run tiny models, whose time is
+  compilation (halved by these flags), not execution; what they check does not depend on it.
+"""
 
 import os
 
 from moebalance.runtime import hugepage_malloc_env
 
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 os.environ.update(hugepage_malloc_env() or {})
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()

@@ -17,7 +17,8 @@ HERE = Path(__file__).parent
 
 
 def run_case(tmp_path, case: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
     out = tmp_path / f"{case}.npz"
     subprocess.run([sys.executable, str(HERE / "expert_parallel_run.py"), str(out), case],
@@ -90,7 +91,8 @@ def test_train_and_report_with_expert_parallelism(tmp_path):
     """`moebalance train` on 4 devices, all of them on the `expert` axis, then `report`: the
     trainer's per-rank loads are its own counts summed per rank, and the report shows the busiest
     rank."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
     run = tmp_path / "ep4"
 

@@ -14,7 +14,8 @@ HERE = Path(__file__).parent
 
 
 def run_on(devices: int, out: Path, *overrides: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + f" --xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, str(HERE / "multidevice_run.py"), str(out), *overrides],
                    env=env, check=True)
