@@ -209,8 +209,8 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
 
 
 def test_full_remat_gives_the_same_loss_and_gradients_under_the_layer_scan():
-    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4], base_num_decoder_layers=7,
-                first_num_hash_layers=2, max_target_length=16)  # hash blocks 0-1: one scan
+    over = dict(compress_ratios=[0, 0, 4], base_num_decoder_layers=3, first_num_hash_layers=2,
+                max_target_length=16)  # hash blocks 0-1: one scan
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     results = []
     for policy in ("none", "full"):
