@@ -197,10 +197,15 @@ def quantile_bias(
     return new_bias.reshape(bias.shape)
 
 
-def _sortable(x: jax.Array) -> jax.Array:
-    """float32 -> int32 with the same order (negative floats have their magnitude bits flipped)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+def _flip_negatives(bits: jax.Array) -> jax.Array:
+    """float32 bits (as int32) <-> int32 keys with the floats' order: negative floats have their
+    magnitude bits flipped. Its own inverse."""
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order."""
+    return _flip_negatives(jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32))
 
 
 def _order_statistic(keys: jax.Array, rank: jax.Array) -> jax.Array:
@@ -220,8 +225,7 @@ def _order_statistic(keys: jax.Array, rank: jax.Array) -> jax.Array:
     info = jnp.iinfo(jnp.int32)
     start = (jnp.full(rank.shape, info.min, jnp.int32), jnp.full(rank.shape, info.max, jnp.int32))
     key, _ = jax.lax.fori_loop(0, 32, halve, start)
-    bits = jnp.where(key < 0, key ^ 0x7FFFFFFF, key)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return jax.lax.bitcast_convert_type(_flip_negatives(key), jnp.float32)
 
 
 def column_quantile(x: jax.Array, q: float, valid: jax.Array | None = None) -> jax.Array:

@@ -16,7 +16,8 @@ The pipeline, each stage cached on disk under `data_cache_dir` so a second run s
 On the default corpus (CPython 3.11: 1,758 usable files, 31 MB) with 8,192 tokens, building
 everything takes 25-35 s on two cores (BPE training 9-15 s, encoding 13-19 s; 8.5M tokens), so
 the BPE is trained on the whole training split, without a cap. Later runs load the cache in
-~1.5 s (reading the corpus to check it). Several processes may build the same cache at once:
+~1.5 s for both splits (listing and reading the corpus to check it; ~0.7 s once the process has
+read each file). Several processes may build the same cache at once:
 every file is written to a temporary name and renamed into place, and all of them write the same
 bytes.
 """
@@ -77,25 +78,24 @@ def _read_utf8(path: Path) -> str | None:
         return None
 
 
-def _candidates(dataset_path, dataset_glob: str) -> Iterator[tuple[str, Path]]:
-    """(name, path) of every file matching the config keys, valid or not, in no particular
-    order."""
-    if not dataset_path:  # walked without descending into third-party code: rglob would list
+def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
+    """(name, path) of every file matching the config, valid or not, in no particular order."""
+    if not cfg.dataset_path:  # walked without descending into third-party code: rglob would list
         root = sysconfig.get_paths()["stdlib"]  # (and filter) 10k+ files of site-packages
         for folder, subdirs, files in os.walk(root):
             subdirs[:] = sorted(d for d in subdirs if d not in EXCLUDED_DIRS)
             for name in files:
                 path = Path(folder, name)
                 rel = path.relative_to(root)
-                if rel.match(dataset_glob) and path.is_file():
+                if rel.match(cfg.dataset_glob) and path.is_file():
                     yield rel.as_posix(), path
         return
-    for entry in sorted(dataset_path):
+    for entry in sorted(cfg.dataset_path):
         root = Path(entry).expanduser()
         if root.is_file():
             yield root.name, root
         elif root.is_dir():
-            for path in root.rglob(dataset_glob):
+            for path in root.rglob(cfg.dataset_glob):
                 if path.is_file():
                     yield path.relative_to(root).as_posix(), path
         else:
@@ -108,8 +108,7 @@ def corpus_documents(cfg: Config) -> list[Document]:
     searched recursively for `dataset_glob`), without empty files and files that are not UTF-8.
     A file reached twice (nested entries, links) counts once."""
     docs: dict[Path, Document] = {}
-    for name, path in sorted(_candidates(cfg.dataset_path, cfg.dataset_glob),
-                             key=lambda c: (c[1], c[0])):
+    for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
         resolved = path.resolve()
         if resolved not in docs and _is_text(resolved):
             docs[resolved] = Document(name, path)
