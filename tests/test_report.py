@@ -252,3 +252,32 @@ def test_write_html_escapes_text(tmp_path):
     assert "A: &lt;b&gt;" in page
     assert "Settings that differ" in page and "<td>note</td>" in page
     assert "<td>steps</td>" not in page  # equal in both runs
+
+
+def test_column_groups_hand_case():
+    # label columns of 5 and 8 chars take 1 + 8 + 11 = 20 of 46; then 10 + 3 twice (46), and the
+    # third 10 + 3 and the 2 + 3 in a second part (38)
+    assert report.column_groups([5, 8, 10, 10, 10, 2], 2, 46) == [[0, 1, 2, 3], [0, 1, 4, 5]]
+    assert report.column_groups([5, 8, 10], 2, 40) == [[0, 1, 2]]
+    # a column wider than the room still gets a part of its own (never dropped)
+    assert report.column_groups([5, 8, 30, 1], 2, 40) == [[0, 1, 2], [0, 1, 3]]
+
+
+@pytest.mark.parametrize("width", [60, 80, 200])
+def test_printed_ab_table_is_whole_at_any_width(tmp_path, width):
+    """Every cell and header word of the big A/B table (with EP and refit columns and 5-digit
+    variances) appears uncut in the printed output, whose lines fit the width."""
+    big = np.array([[80000, 0, 0, 0], [40000, 0, 20000, 20000], [80000, 0, 0, 0]])
+    a = write_run(tmp_path / "a", big, big, ROUTING, tokens=40000, k=2, ranks=2)
+    b = write_run(tmp_path / "b", big, big // 2 + 10000, ROUTING, tokens=40000, k=2, ranks=2)
+    console = Console(file=io.StringIO(), width=width)
+    table = report.ab_report(a, b, tmp_path / "out", console=console)
+    printed = console.file.getvalue()
+    assert "…" not in printed
+    assert max(len(line) for line in printed.splitlines()) <= width
+    headers, rows, _ = report.table_cells(table)
+    tokens = set(re.findall(r"\S+", printed))
+    for cell in [c for row in rows for c in row] + [w for h in headers for w in h.split()]:
+        assert all(word in tokens for word in cell.split()), cell
+    parts = printed.count("Expert load per layer")
+    assert (parts > 1) == (width < 200)

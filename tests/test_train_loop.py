@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moebalance import cli, generate
 from moebalance.config import load_config
 from moebalance.data import batches
 from moebalance.metrics import STAT_NAMES, load_stats
@@ -142,7 +143,8 @@ def _tensorboard_tags(directory) -> dict[str, list[int]]:
     return tags
 
 
-def test_text_run_packs_documents_writes_tensorboard_and_evaluates(tmp_path):
+def test_text_run_packs_documents_writes_tensorboard_evaluates_and_generates(tmp_path,
+                                                                             capsys):
     from test_data import text_config, write_corpus
 
     root = tmp_path / "corpus"
@@ -165,6 +167,15 @@ def test_text_run_packs_documents_writes_tensorboard_and_evaluates(tmp_path):
     assert seen["split"] == "train" and seen["batches"] == 3
     assert seen["tokens"] == sum(int(train_data.batch(i)[1].sum()) for i in range(3))
     assert seen["loss"] != result["loss"]
+    # the run keeps its tokenizer; `generate` samples from the latest checkpoint through it
+    assert (run / "tokenizer.json").read_text() == train_data.tokenizer.to_str()
+    generator = generate.load(run)
+    assert generator.step == 3
+    want = generator.complete("def f(", max_new_tokens=5, temperature=0.8, top_p=0.9, seed=1)
+    capsys.readouterr()
+    assert cli.main(["generate", str(run), "--prompt", "def f(", "--max-new-tokens", "5",
+                     "--temperature", "0.8", "--top-p", "0.9", "--seed", "1", "-q"]) == 0
+    assert capsys.readouterr().out == want + "\n"
 
 
 def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):

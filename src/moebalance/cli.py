@@ -80,7 +80,7 @@ def _train(args) -> int:
     from moebalance.training.loop import train
 
     train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-          resume=args.resume)
+          resume=args.resume, progress=not args.quiet)
     print(f"run written to {args.out}")
     return 0
 
@@ -91,7 +91,7 @@ def _ab(args) -> int:
     from moebalance.experiment import ab
 
     ab(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-       resume=args.resume)
+       resume=args.resume, progress=not args.quiet)
     print(f"report written to {args.out}/report.html")
     return 0
 
@@ -133,6 +133,38 @@ def _eval(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    """Sample a continuation of a prompt from a run's latest checkpoint."""
+    from moebalance import generate
+
+    generator = generate.load(args.run_dir)
+    logging.getLogger("moebalance").info("sampling from %s at step %d", args.run_dir,
+                                         generator.step)
+    print(generator.complete(args.prompt, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+    return 0
+
+
+def _keys(args) -> int:
+    """Every config key with its type, default and meaning."""
+    from moebalance.config import describe
+
+    for key, kind, default, help_text in describe():
+        if args.filter in key:
+            print(f"{key} ({kind}, default {default!r}): {help_text}")
+    return 0
+
+
+def _output_options() -> argparse.ArgumentParser:
+    """-q / -v for every subcommand: how much goes to stderr besides results and errors."""
+    common = argparse.ArgumentParser(add_help=False)
+    level = common.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", action="store_true",
+                       help="only results and errors: no progress bar, no progress notes")
+    level.add_argument("-v", "--verbose", action="store_true", help="also debugging notes")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moebalance",
@@ -140,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="balancer simulation: every bias rule on skewed logits")
+    common = _output_options()
+    demo = sub.add_parser("demo", parents=[common],
+                          help="balancer simulation: every bias rule on skewed logits")
     demo.add_argument("--steps", type=int, default=600)
     demo.add_argument("--experts", type=int, default=16)
     demo.add_argument("--k", type=int, default=4)
@@ -148,12 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--skew", type=float, default=1.0, help="strength of the expert preference")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
-    params = sub.add_parser("params", help="total and active parameter counts of a config")
+    params = sub.add_parser("params", parents=[common],
+                            help="total and active parameter counts of a config")
     params.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
     params.add_argument("overrides", nargs="*", help="key=value overrides")
     params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
     params.set_defaults(func=_params)
-    train = sub.add_parser("train", help="train a config; writes a run directory")
+    train = sub.add_parser("train", parents=[common],
+                           help="train a config; writes a run directory")
     train.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
     train.add_argument("overrides", nargs="*", help="key=value overrides")
     train.add_argument("--out", required=True, help="the run directory")
@@ -162,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --out from its latest checkpoint")
     train.set_defaults(func=_train)
-    ab = sub.add_parser("ab", help="the A/B experiment: no balancing vs the config's balancing, "
+    ab = sub.add_parser("ab", parents=[common],
+                        help="the A/B experiment: no balancing vs the config's balancing, "
                         "with the seed's table, plots and an HTML report")
     ab.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
     ab.add_argument("overrides", nargs="*", help="key=value overrides (apply to both runs)")
@@ -171,12 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--overwrite", action="store_true", help="replace the experiment in --out")
     mode.add_argument("--resume", action="store_true", help="finish the experiment in --out")
     ab.set_defaults(func=_ab)
-    compare = sub.add_parser("report", help="table and plots comparing finished runs")
+    compare = sub.add_parser("report", parents=[common],
+                             help="table and plots comparing finished runs")
     compare.add_argument("run_dirs", nargs="+", help="run directories (from train or ab)")
     compare.add_argument("--out", required=True, help="directory for the report")
     compare.add_argument("--overwrite", action="store_true", help="replace a report in --out")
     compare.set_defaults(func=_report)
-    evaluate = sub.add_parser("eval", help="held-out loss, perplexity, MaxVio_global of a run")
+    evaluate = sub.add_parser("eval", parents=[common],
+                              help="held-out loss, perplexity, MaxVio_global of a run")
     evaluate.add_argument("run_dir")
     evaluate.add_argument("--batches", type=int, default=None,
                           help="global batches (default: the whole split for text, 4 for "
@@ -189,23 +228,48 @@ def build_parser() -> argparse.ArgumentParser:
                                "fresh training batches: what a perfectly estimated bias reaches")
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=_eval)
-    convert = sub.add_parser("convert", help="re-export an HF-layout DeepSeek-V4 checkpoint, "
+    convert = sub.add_parser("convert", parents=[common],
+                             help="re-export an HF-layout DeepSeek-V4 checkpoint, "
                              "dequantising FP8/FP4 weights")
     convert.add_argument("src", help="directory with config.json and *.safetensors")
     convert.add_argument("dst", help="new directory to write (must not hold a checkpoint)")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     convert.set_defaults(func=_convert)
+    generate = sub.add_parser("generate", parents=[common],
+                              help="sample text from a run's latest checkpoint (uncached decoding)")
+    generate.add_argument("run_dir", help="a run directory trained on text data")
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0,
+                          help="0 (default): greedy, the most likely token each time")
+    generate.add_argument("--top-p", type=float, default=1.0,
+                          help="nucleus sampling: draw from the most likely tokens holding this "
+                               "much probability")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    generate.set_defaults(func=_generate)
+    keys = sub.add_parser("keys", parents=[common],
+                          help="every config key with its type, default and meaning")
+    keys.add_argument("filter", nargs="?", default="", help="only keys containing this text")
+    keys.set_defaults(func=_keys)
     return parser
+
+
+def setup_logging(level: int) -> None:
+    """Our progress notes (data building, sampling) on stderr, each once: the `moebalance` logger
+    gets one handler and does not pass records on to the root logger, which libraries imported
+    here (orbax, tensorboardX) give a handler of their own."""
+    log = logging.getLogger("moebalance")
+    log.handlers[:] = [logging.StreamHandler(sys.stderr)]
+    log.propagate = False
+    log.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
     from moebalance.config import ConfigError
 
     args = build_parser().parse_args(argv)
-    log = logging.getLogger("moebalance")  # our progress notes (data building), not libraries'
-    if not log.handlers:
-        log.addHandler(logging.StreamHandler(sys.stderr))
-        log.setLevel(logging.INFO)
+    setup_logging(logging.WARNING if args.quiet else logging.DEBUG if args.verbose
+                  else logging.INFO)
     if getattr(args, "steps", 2) < 2:
         print("moebalance: --steps must be at least 2", file=sys.stderr)
         return 2

@@ -331,6 +331,7 @@ def describe() -> list[tuple[str, str, Any, str]]:
     rows = []
     for f in dataclasses.fields(Config):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        rows.append((f.name, str(types[f.name]).replace("typing.", ""), default,
-                     f.metadata["help"]))
+        kind = types[f.name]
+        name = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
+        rows.append((f.name, name, default, f.metadata["help"]))
     return rows

@@ -63,6 +63,9 @@ class Run:
 def load_run(path) -> Run:
     """Read a run directory; a missing file or an inconsistent probe raises with the reason."""
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run directory {path} does not exist (expected a directory "
+                                "written by `moebalance train`, or an A/B experiment's run_a/run_b)")
     for file in ("config.yaml", "metrics.jsonl", "probe_counts.json"):
         if not (path / file).is_file():
             raise FileNotFoundError(f"{path / file} is missing: is {path} a finished run?")
@@ -281,17 +284,43 @@ def format_markdown(table: dict) -> str:
     return "\n".join([*body, "", *notes]) + "\n"
 
 
+def column_groups(widths: list[int], keep: int, room: int) -> list[list[int]]:
+    """Indices of the columns of each printed part of a table too wide for `room` characters:
+    the first `keep` columns (row labels) start every part, the others follow in order, as many
+    per part as fit; a column needs its width + 3 (padding and rule) and a part 1 more."""
+    base = 1 + sum(w + 3 for w in widths[:keep])
+    groups, current, used = [], [], base
+    for i in range(keep, len(widths)):
+        if current and used + widths[i] + 3 > room:
+            groups.append(current)
+            current, used = [], base
+        current.append(i)
+        used += widths[i] + 3
+    return [list(range(keep)) + g for g in groups + [current]]
+
+
 def print_table(table: dict, console) -> None:
-    """Print the table (and its notes) to a rich console."""
+    """Print the table (and its notes) to a rich console: every cell whole at the console's width
+    (80 columns when the output is not a terminal), in several parts that repeat the layer
+    columns when it is too wide for one."""
     from rich.table import Table
 
     headers, rows, notes = table_cells(table)
-    out = Table(title="Expert load per layer (probe batch)")
-    for i, header in enumerate(headers):
-        out.add_column(header, justify="left" if i == 1 else "right")
-    for i, row in enumerate(rows):
-        out.add_row(*row, end_section=i == len(rows) - 2)
-    console.print(out)
+    # a header may wrap at its spaces, a cell never: each column is as wide as its longest cell
+    # or header word
+    widths = [max(max(len(w) for w in h.split()), *(len(r[i]) for r in rows))
+              for i, h in enumerate(headers)]
+    groups = column_groups(widths, 2, console.width)
+    for part, columns in enumerate(groups, 1):
+        title = "Expert load per layer (probe batch)" + (
+            f", part {part} of {len(groups)}" if len(groups) > 1 else "")
+        out = Table(title=title)
+        for i in columns:
+            out.add_column(headers[i], justify="left" if i == 1 else "right",
+                           min_width=widths[i])
+        for n, row in enumerate(rows):
+            out.add_row(*(row[i] for i in columns), end_section=n == len(rows) - 2)
+        console.print(out)
     for note in notes:
         console.print(note)
 
@@ -476,6 +505,7 @@ def _write_outputs(out: Path, table: dict, runs: list[tuple[str, Run]], title: s
 
         console = Console()
     print_table(table, console)
+    console.print(f"The whole table in one piece: {out / 'table.md'}")
 
 
 def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> dict:

@@ -228,7 +228,8 @@ class DeepSeekV4(nnx.Module):
                  mtp_tokens=None) -> ModelOutput:
         """tokens [B, S] int; positions [B, S] (default 0..S-1); segment_ids [B, S] (packed
         documents: attention stays within a segment; default one segment); mask [B, S] valid
-        tokens (for the routing counts); mtp_tokens [B, S]: the token after each position."""
+        tokens (for the routing counts); mtp_tokens [B, S]: the token after each position, which
+        the MTP layer (if any) needs; without them the output has no MTP part."""
         routing.check_token_ids(tokens, self.vocab_size)
         b, s = tokens.shape
         if positions is None:
@@ -244,10 +245,8 @@ class DeepSeekV4(nnx.Module):
             records.append(rec if isinstance(seg, Stack) else jax.tree.map(lambda x: x[None], rec))
         stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *records)
         hidden = self.norm(self.hc_head(h))
-        if self.mtp is None:
+        if self.mtp is None or mtp_tokens is None:  # inference and evaluation skip MTP
             return ModelOutput(self.logits(hidden), stacked, None, None, hidden, None)
-        if mtp_tokens is None:
-            raise ValueError("this model has an MTP layer: pass mtp_tokens (the next tokens)")
         mtp = self.mtp
         e = mtp.enorm(jnp.take(self.embed[...], mtp_tokens, axis=0).astype(self.dtype))
         hm = (e @ mtp.e_proj[...].astype(self.dtype))[:, :, None] + mtp.hnorm(h) @ mtp.h_proj[
@@ -258,6 +257,13 @@ class DeepSeekV4(nnx.Module):
                            hidden, mtp_hidden)
 
 
+def placeholder_hash_tables(cfg: Config) -> list[np.ndarray]:
+    """All-zero [V, K] tables for the hash blocks of a model whose real tables come from elsewhere
+    (a checkpoint) or do not matter (shapes only): building the real ones is slow and moot."""
+    return [np.zeros((cfg.vocab_size, cfg.num_experts_per_tok), np.int32)
+            ] * cfg.first_num_hash_layers
+
+
 def parameter_counts(cfg: Config) -> dict[str, int]:
     """Parameter counts by abstract evaluation (nothing is allocated).
 
@@ -265,9 +271,8 @@ def parameter_counts(cfg: Config) -> dict[str, int]:
     active: those one token uses: all but the embedding table (a lookup, not a matmul) and the
     routed experts it does not choose (K of E per MoE layer); mtp: the MTP layer's parameters.
     """
-    tables = [np.zeros((cfg.vocab_size, cfg.num_experts_per_tok), np.int32)
-              ] * cfg.first_num_hash_layers  # stand-ins: building real tables is slow and moot
-    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg),
+                                              rngs=nnx.Rngs(0)))
     total = mtp = inactive = 0
     unused = 1.0 - cfg.num_experts_per_tok / cfg.num_experts
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

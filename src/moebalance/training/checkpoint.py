@@ -12,7 +12,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 
-def manager(run_dir: Path, keep: int) -> ocp.CheckpointManager:
+def manager(run_dir: Path, keep: int | None = None) -> ocp.CheckpointManager:
+    """The run's checkpoints/ (created if absent); saving keeps the last `keep` (None: all)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=False)
     return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
@@ -48,3 +49,13 @@ def restore(mgr: ocp.CheckpointManager, model, optimizer) -> int:
         nnx.replace_by_pure_dict(state, restored["state"][key])
         nnx.update(obj, state)
     return int(restored["meta"]["step"])
+
+
+def restore_latest(run_dir: Path, model, optimizer) -> int:
+    """Load the latest checkpoint of a run directory, creating nothing there; returns its step."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint "
+                                "yet (the trainer saves one every checkpoint_period steps and at "
+                                "the end)")
+    return restore(manager(run_dir), model, optimizer)

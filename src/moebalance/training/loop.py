@@ -6,6 +6,7 @@ A run directory holds:
                           losses, and `layers`: per MoE block its load statistics and bias stats)
     expert_counts.i32     every step's [L, E] int32 counts, appended raw (row-major);
     expert_counts.json    its row shape [L, E]: numpy.fromfile(...).reshape(-1, L, E) reads it
+    tokenizer.json        the tokenizer of the text data (not for synthetic data), for sampling
     probe_counts.json     the [L, E] counts of one fixed held-out micro-batch (the probe) before
                           the first step ("0") and after the last (str(steps)): what the A/B
                           table compares; "refit" {str(steps): [L, E]}: the probe after the last
@@ -46,7 +47,7 @@ from moebalance.training.step import (make_eval_step, make_optimizer, make_score
                                       make_train_step)
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "expert_counts.i32", "expert_counts.json",
-             "probe_counts.json", "tensorboard")
+             "probe_counts.json", "tokenizer.json", "tensorboard")
 
 
 class RunDirError(FileExistsError):
@@ -71,6 +72,21 @@ def prepare_run_dir(out: Path, overwrite: bool) -> None:
             shutil.rmtree(out / f)
         else:
             (out / f).unlink()
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The config a run directory was trained with; a missing directory or config.yaml raises,
+    naming the path and what was expected there."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist (expected a directory "
+                                "written by `moebalance train` or `moebalance ab`/run_a|run_b)")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (the "
+                                "trainer writes one into every run; for an A/B experiment give "
+                                "its run_a or run_b)")
+    return Config(**yaml.safe_load(path.read_text()))
 
 
 def rewind_logs(out: Path, step: int, cfg: Config) -> None:
@@ -231,8 +247,9 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     out = Path(out)
     writer_process = jax.process_index() == 0
     if resume:
-        saved = Config(**yaml.safe_load((out / "config.yaml").read_text()))
-        if saved != cfg:
+        saved = read_run_config(out)
+        launch = {key: getattr(cfg, key) for key in sharding.LAUNCH_KEYS}  # may differ
+        if dataclasses.replace(saved, **launch) != cfg:
             raise RunDirError(f"{out} was started with another config; resume it with its own "
                               f"config.yaml")
     else:
@@ -240,11 +257,14 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     mesh = sharding.make_mesh(cfg)
     train_data = data.batches(cfg, "train")  # checks the data before anything is written
     probe = _probe(cfg, mesh)
+    sharding.sync_processes("run directory checked")  # by all, before process 0 writes to it
     if writer_process and not resume:
         prepare_run_dir(out, overwrite)
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
+        if cfg.dataset_type == "text":
+            (out / "tokenizer.json").write_text(train_data.tokenizer.to_str())
     model, optimizer = build(cfg, mesh, train_data)
     checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
     first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
@@ -343,15 +363,14 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
         raise ValueError(f"evaluate needs batches >= 1 and refit_batches >= 0, got {batches} and "
                          f"{refit_batches}")
     run_dir = Path(run_dir)
-    cfg = Config(**yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg = read_run_config(run_dir)
     mesh = sharding.make_mesh(cfg)
     source = data.batches(cfg, split)
     if batches is None:
         per_batch = cfg.gradient_accumulation_steps * source.global_batch
         batches = max(1, source.num_rows // per_batch) if cfg.dataset_type == "text" else 4
     model, optimizer = build(cfg, mesh, source)  # hash tables too come from the checkpoint
-    step = checkpoint.restore(checkpoint.manager(run_dir, cfg.max_num_checkpoints_to_keep),
-                              model, optimizer)
+    step = checkpoint.restore_latest(run_dir, model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
 
     def measure():  # -> (CE summed over the valid targets, their number, [n, L, E] counts)

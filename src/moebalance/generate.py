@@ -1,0 +1,126 @@
+"""Sampling text from a trained run: greedy, temperature and nucleus (top-p) decoding.
+
+    load(run_dir)                           -> Generator (the latest checkpoint + the tokenizer)
+    generator.complete(prompt, ...)         -> the continuation as text
+    sample_tokens(model, ids, ...)          -> new token ids (any model, no tokenizer)
+
+Decoding is uncached: every new token runs the model over the whole context (at most
+`max_target_length` tokens, the length it was trained on; longer texts keep their last tokens). A KV
+cache for DeepSeek-V4 also has to carry the compressors' partial blocks and the indexer's compressed
+keys; it is not built yet, so generation costs one full forward pass per token: fine for the small
+models this project trains on a CPU, slow for big ones. Each position's logits depend only on the
+tokens up to it (every attention path is causal, routing is per token and dropless), so the
+context is padded to one fixed length and compiled once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tokenizers import Tokenizer
+
+from moebalance.config import Config
+from moebalance.data import EOT
+from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
+from moebalance.training import checkpoint
+from moebalance.training.loop import read_run_config
+from moebalance.training.step import make_optimizer
+
+
+def next_token_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """[V] float64 sampling distribution from [V] logits: softmax(logits / temperature), cut to
+    the smallest set of most likely tokens whose probability reaches `top_p` (ties at the cut are
+    kept in id order) and renormalised. temperature 0: all mass on the argmax (greedy)."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        return np.eye(len(logits))[int(np.argmax(logits))]
+    z = logits / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    before = np.cumsum(probs[order]) - probs[order]  # mass of the more likely tokens
+    kept = order[before < top_p]
+    out = np.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out / out.sum()
+
+
+@functools.cache
+def _last_logits():
+    @nnx.jit
+    def logits_at(model, tokens, index):  # tokens [1, C] -> [V] float32 logits at `index`
+        hidden = model(tokens).hidden[0, index]
+        return model.logits(hidden)
+
+    return logits_at
+
+
+def sample_tokens(model: DeepSeekV4, prompt: list[int], *, max_new_tokens: int, context: int,
+                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                  stop_id: int | None = None) -> list[int]:
+    """Up to `max_new_tokens` ids following `prompt` (ids), each drawn from `next_token_probs` of
+    the model's logits over the last `context` ids; stops after `stop_id` (which is returned)."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if temperature < 0 or not 0 < top_p <= 1 or max_new_tokens < 1:
+        raise ValueError(f"sampling needs temperature >= 0 (0: greedy), top_p in (0, 1] and "
+                         f"max_new_tokens >= 1, got {temperature}, {top_p}, {max_new_tokens}")
+    rng = np.random.default_rng(seed)
+    length = min(context, len(prompt) + max_new_tokens - 1)
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        window = ids[-length:]
+        tokens = np.zeros((1, length), np.int32)  # positions after the window do not matter
+        tokens[0, :len(window)] = window
+        logits = np.asarray(_last_logits()(model, jnp.asarray(tokens), len(window) - 1))
+        token = int(rng.choice(len(logits), p=next_token_probs(logits, temperature, top_p)))
+        ids.append(token)
+        if token == stop_id:
+            break
+    return ids[len(prompt):]
+
+
+@dataclasses.dataclass
+class Generator:
+    """A trained run ready to sample from."""
+
+    config: Config
+    model: DeepSeekV4
+    tokenizer: Tokenizer
+    step: int  # optimizer steps of the checkpoint
+
+    def complete(self, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0) -> str:
+        """The text the model writes after `prompt` (up to max_new_tokens tokens or the end of
+        the document)."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        eot = self.tokenizer.token_to_id(EOT)
+        new = sample_tokens(self.model, ids or [eot], max_new_tokens=max_new_tokens,
+                            context=self.config.max_target_length, temperature=temperature,
+                            top_p=top_p, seed=seed, stop_id=eot)
+        return self.tokenizer.decode([t for t in new if t != eot])
+
+
+def load(run_dir) -> Generator:
+    """The run's latest checkpoint (on the default device) and the tokenizer it trained with."""
+    run_dir = Path(run_dir)
+    cfg = read_run_config(run_dir)
+    tokenizer_file = run_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(
+            f"{tokenizer_file} is missing: only runs on text data (dataset_type: text) have a "
+            "tokenizer to turn the sampled ids into text" if cfg.dataset_type != "text" else
+            f"{tokenizer_file} is missing: runs trained before the trainer kept the tokenizer "
+            "have none; train again, or copy the tokenizer.json the run used (in the data cache) "
+            "there")
+    model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)  # the checkpoint has it
+    step = checkpoint.restore_latest(run_dir, model, optimizer)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.encode_special_tokens = True  # as in training: literal <|endoftext|> is text
+    return Generator(cfg, model, tokenizer, step)

@@ -1,0 +1,62 @@
+"""The command line's own behaviour: output channels, levels and error messages (no training)."""
+
+import logging
+
+import pytest
+
+from moebalance import cli
+
+
+@pytest.fixture
+def moebalance_logger():
+    log = logging.getLogger("moebalance")
+    saved = log.handlers[:], log.propagate, log.level
+    yield log
+    log.handlers[:], log.propagate, log.level = saved
+
+
+def test_progress_notes_reach_stderr_once(moebalance_logger, capsys):
+    """A library that gave the root logger a stream handler (as orbax's import does) must not
+    make every note appear twice."""
+    root = logging.getLogger()
+    extra = logging.StreamHandler()  # stderr, like the handler such libraries add
+    root.addHandler(extra)
+    try:
+        cli.setup_logging(logging.INFO)
+        logging.getLogger("moebalance.data").info("encoding the train split: 3 files")
+    finally:
+        root.removeHandler(extra)
+    captured = capsys.readouterr()
+    assert captured.err.count("encoding the train split") == 1 and captured.out == ""
+
+
+@pytest.mark.parametrize("flag, shown", [("-q", ()), ("", ("info",)), ("-v", ("info", "debug"))])
+def test_quiet_and_verbose(moebalance_logger, capsys, flag, shown):
+    assert cli.main(["keys", "zzz-no-such-key", *([flag] if flag else [])]) == 0
+    log = logging.getLogger("moebalance.test")
+    log.info("info note")
+    log.debug("debug note")
+    err = capsys.readouterr().err
+    assert all((f"{level} note" in err) == (level in shown) for level in ("info", "debug"))
+
+
+def test_keys_lists_the_schema(capsys):
+    assert cli.main(["keys", "bias_update_rule"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("routed_bias_update_rule (str, default 'sign'): ")
+    assert len(out.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["eval", "{d}/nowhere"], ["generate", "{d}/nowhere",
+                                     "--prompt", "x"], ["report", "{d}/nowhere", "--out",
+                                                        "{d}/out"]])
+def test_a_missing_run_directory_is_named(tmp_path, capsys, command):
+    assert cli.main([c.format(d=tmp_path) for c in command]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {tmp_path}/nowhere does not exist" in err
+    assert "Errno" not in err and not (tmp_path / "nowhere").exists()
+
+
+def test_a_directory_without_config_is_not_a_run(tmp_path, capsys):
+    assert cli.main(["eval", str(tmp_path)]) == 2
+    assert "is not a run directory: it has no config.yaml" in capsys.readouterr().err
