@@ -41,7 +41,7 @@ class Config:
     o_groups: int = _key(4, "groups of heads in the grouped low-rank output projection")
     o_lora_rank: int = _key(16, "rank per output group")
     sliding_window_size: int = _key(32, "causal sliding window of every layer (keys incl. self)")
-    compress_ratios: list = _key([0, 0, 4, 0], "per-layer KV compression: 0 none, 4 CSA, 128 HCA")
+    compress_ratios: list[int] = _key([0, 0, 4, 0], "per-layer KV compression: 0 none, 4 CSA, 128 HCA")
     rope_max_timescale: float = _key(10000.0, "RoPE theta of uncompressed layers")
     compress_rope_theta: float = _key(160000.0, "RoPE theta of compressed layers")
     rope_factor: float = _key(1.0, "YaRN factor on compressed layers (1 = no YaRN)")
@@ -113,7 +113,7 @@ class Config:
     adam_weight_decay: float = _key(0.1, "AdamW decoupled weight decay (not on norms, scales)")
     gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
     dataset_type: str = _key("synthetic", "synthetic (seeded random tokens) | text (local files)")
-    dataset_path: list = _key([], "text files or directories (empty: the Python standard library's "
+    dataset_path: list[str] = _key([], "text files or directories (empty: the Python standard library's "
                               "sources of the running interpreter)")
     dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
     tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
@@ -283,11 +283,50 @@ def _check_type(key: str, value, hint):
             return float(value)
         except ValueError:
             pass
-    base = [typing.get_origin(a) or a for a in allowed if a is not type(None)]
-    if any(isinstance(value, b) and not (b is int and isinstance(value, bool)) for b in base):
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, list) and all(_is_a(v, item) for v in value):
+            return value
+        raise ConfigError(f"config key `{key}`: expected a list of {item.__name__}, got {value!r}")
+    base = [a for a in allowed if a is not type(None)]
+    if any(_is_a(value, b) for b in base):
         return value
-    names = " or ".join(getattr(b, "__name__", str(b)) for b in base)
+    names = " or ".join(b.__name__ for b in base)
     raise ConfigError(f"config key `{key}`: expected {names}, got {value!r}")
+
+
+def _is_a(value, kind: type) -> bool:
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+
+
+def parse_override(key: str, raw: str, hint) -> Any:
+    """The value of `key=raw` on the command line, read by the key's type: text for a str key as it
+    is (globs, paths: nothing YAML would misread; one pair of enclosing quotes is dropped); for a
+    list key YAML's `[a, b]`, a comma-separated `a,b` or a single value (list[str] items as text);
+    YAML for the rest (numbers, booleans, null)."""
+    raw = raw.strip()
+    if hint is str:
+        return _unquote(raw)
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
+        parts = [_unquote(p.strip()) for p in inner.split(",") if p.strip()]
+        return parts if item is str else [_yaml_scalar(key, p) for p in parts]
+    return _yaml_scalar(key, raw)
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def _yaml_scalar(key: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"config key `{key}`: cannot read {raw!r} as a value; write a number, "
+                          "true/false, null or text") from None
 
 
 def _unknown(key: str, known) -> ConfigError:
@@ -298,7 +337,7 @@ def _unknown(key: str, known) -> ConfigError:
 
 def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = None) -> Config:
     """A preset name (e.g. 'deepseek4-tiny') or a YAML path, then overrides ('key=value' strings
-    parsed as YAML scalars, or a dict)."""
+    read by the key's type (`parse_override`), or a dict)."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = PRESET_DIR / f"{name_or_path}.yml"
@@ -307,18 +346,26 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
                               " (or give a path to a YAML file)")
     elif not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML ({' '.join(str(err).split())}); quote "
+                          "values that start with * & ! or contain ': ', e.g. "
+                          "dataset_glob: '*.txt'") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
+    types = _field_types()
     if isinstance(overrides, dict):
         values.update(overrides)
     else:
         for item in overrides or []:
             key, sep, raw = item.partition("=")
+            key = key.strip()
             if not sep or not key:
                 raise ConfigError(f"override {item!r} must look like key=value")
-            values[key.strip()] = yaml.safe_load(raw)
-    types = _field_types()
+            if key not in types:
+                raise _unknown(key, types)
+            values[key] = parse_override(key, raw, types[key])
     for key in values:
         if key not in types:
             raise _unknown(key, types)

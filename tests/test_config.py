@@ -1,0 +1,49 @@
+"""`key=value` overrides read by the schema's type, and YAML files that YAML cannot read."""
+
+import pytest
+
+from moebalance.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("override, key, value", [
+    ("dataset_glob=*.txt", "dataset_glob", "*.txt"),  # YAML: "while scanning an alias"
+    ("dataset_glob='*.json*'", "dataset_glob", "*.json*"),  # one pair of quotes dropped
+    ("tokenizer_path=/data/tok: v2.json", "tokenizer_path", "/data/tok: v2.json"),
+    ("tokenizer_path=", "tokenizer_path", ""),
+    ("dtype=bfloat16", "dtype", "bfloat16"),
+    ("dataset_path=/some/dir", "dataset_path", ["/some/dir"]),
+    ("dataset_path=/a,/b/*.jsonl", "dataset_path", ["/a", "/b/*.jsonl"]),
+    ("dataset_path=[/a, '/b c']", "dataset_path", ["/a", "/b c"]),
+    ("dataset_path=[]", "dataset_path", []),
+    ("dataset_path=123", "dataset_path", ["123"]),  # a path, not a number
+    ("compress_ratios=0,4,4,0", "compress_ratios", [0, 4, 4, 0]),
+    ("compress_ratios=[0, 4, 128, 0]", "compress_ratios", [0, 4, 128, 0]),
+    ("norm_topk_prob=null", "norm_topk_prob", None),
+    ("norm_topk_prob=true", "norm_topk_prob", True),
+    ("learning_rate=1e-3", "learning_rate", 1e-3),
+    ("num_experts=16", "num_experts", 16),
+])
+def test_overrides_are_read_by_the_key_type(override, key, value):
+    assert getattr(load_config("deepseek4-smoke", [override]), key) == value
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_experts=[1", "config key `num_experts`: cannot read '\\[1'"),
+    ("seed=*x", "config key `seed`: cannot read"),
+    ("compress_ratios=a,b", "config key `compress_ratios`: expected a list of int"),
+    ("num_experts=1.5", "config key `num_experts`: expected int"),
+    ("dataset_glb=*.txt", "unknown config key `dataset_glb`; did you mean dataset_glob"),
+])
+def test_unreadable_overrides_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("deepseek4-smoke", [override])
+
+
+def test_a_yaml_file_yaml_cannot_read_names_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "mine.yml"
+    path.write_text("dataset_glob: *.txt\n")
+    with pytest.raises(ConfigError, match="mine.yml is not valid YAML .*dataset_glob: '\\*.txt'"):
+        load_config(path)
+    path.write_text("compress_ratios: [0, x]\n")
+    with pytest.raises(ConfigError, match="expected a list of int"):
+        load_config(path)
