@@ -112,10 +112,14 @@ class Config:
     adam_eps: float = _key(1e-8, "AdamW epsilon")
     adam_weight_decay: float = _key(0.1, "AdamW decoupled weight decay (not on norms, scales)")
     gradient_clipping_threshold: float = _key(1.0, "global-norm gradient clip (0 = off)")
-    dataset_type: str = _key("synthetic", "synthetic (seeded random tokens) | text (local files)")
-    dataset_path: list[str] = _key([], "text files or directories (empty: the Python standard library's "
-                              "sources of the running interpreter)")
+    dataset_type: str = _key("synthetic", "synthetic (seeded random tokens) | text (text, JSON "
+                             "Lines, Parquet files) | tokens (pre-tokenized .bin/.npy files)")
+    dataset_path: list[str] = _key([], "files or directories (text, JSON Lines, Parquet; token "
+                                   "files for dataset_type tokens); empty: the Python standard "
+                                   "library's sources of the running interpreter")
     dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
+    dataset_text_field: str = _key("text", "the field (JSON Lines) or column (Parquet) holding each "
+                                   "record's text")
     tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
     tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= vocab_size)")
     eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation")
@@ -228,8 +232,10 @@ def validate(c: Config) -> None:
         _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
     _require(c.sequence_loss_mode in ("deepseek", "maxtext"), "sequence_loss_mode",
              f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
-    _require(c.dataset_type in ("synthetic", "text"), "dataset_type",
-             f"must be 'synthetic' or 'text', got {c.dataset_type!r}")
+    _require(c.dataset_type in ("synthetic", "text", "tokens"), "dataset_type",
+             f"must be 'synthetic', 'text' or 'tokens', got {c.dataset_type!r}")
+    _require(c.dataset_type != "tokens" or bool(c.dataset_path), "dataset_path",
+             "dataset_type 'tokens' needs the token files (or their directory) in dataset_path")
     _require(0 < c.eval_fraction < 1, "eval_fraction", f"must be in (0, 1), got {c.eval_fraction}")
     _require(2 <= c.tokenizer_vocab_size, "tokenizer_vocab_size",
              f"must be >= 2, got {c.tokenizer_vocab_size}")

@@ -1,10 +1,13 @@
 """Text data: a corpus of local files, a cached byte-level BPE, packed rows, and seeded batches.
 
 The pipeline, each stage cached on disk under `data_cache_dir` so a second run starts at once:
-    1. corpus      every non-empty UTF-8 file matching `dataset_glob` under `dataset_path`
-                   (default: the running interpreter's standard library sources)
-    2. split       each document (file) goes to the training or the held-out split by a stable
-                   hash of its name and the seed, so the split never depends on listing order
+    1. corpus      every non-empty file matching `dataset_glob` under `dataset_path` (default: the
+                   running interpreter's standard library sources): a UTF-8 text file is one
+                   document; a JSON Lines or Parquet file holds one document per record, in its
+                   `dataset_text_field` (moebalance.records: formats and the bad-record rule)
+    2. split       each document goes to the training or the held-out split by a stable hash of
+                   its name (a file's path, or path#row for a record) and the seed, so the split
+                   never depends on listing order
     3. tokenizer   a byte-level BPE trained on the training split only (or `tokenizer_path`)
     4. streams     per split, every document's ids followed by <|endoftext|>, concatenated (int32)
     5. rows        stream[r*S : r*S + S + 1]: consecutive rows share one token, so every token is
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -42,6 +46,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moebalance.config import Config
+from moebalance.records import is_record_file, read_records
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +54,9 @@ EOT = "<|endoftext|>"
 CACHE_VERSION = 1  # bump when the tokenizer recipe or the stream layout changes
 EXCLUDED_DIRS = ("site-packages", "dist-packages")  # third-party code inside the stdlib tree
 ENCODE_CHUNK = 256  # documents per encode call: bounds the memory of the Encoding objects
+TOKEN_SUFFIXES = (".bin", ".npy")
+TOKEN_DTYPES = ("uint16", "uint32", "int32")
+HELD_OUT_STEMS = ("val", "valid", "validation", "eval", "test")
 
 
 class DataError(ValueError):
@@ -61,11 +69,16 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One text file. `name` is its path relative to its `dataset_path` entry ('/'-separated; the
-    file name for a file given directly): the identity used by the split and the cache keys."""
+    """One corpus file: a text file (one document) or a record file (one per record). `name` is
+    its path relative to its `dataset_path` entry ('/'-separated; the file name for a file given
+    directly): the identity used by the split and the cache keys."""
 
     name: str
     path: Path
+
+    @property
+    def records(self) -> bool:
+        return is_record_file(self.path)
 
     def text(self) -> str:
         return self.path.read_bytes().decode("utf-8")
@@ -104,13 +117,14 @@ def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
 
 
 def corpus_documents(cfg: Config) -> list[Document]:
-    """The documents of the corpus, sorted by path: files named by `dataset_path` (directories
-    searched recursively for `dataset_glob`), without empty files and files that are not UTF-8.
-    A file reached twice (nested entries, links) counts once."""
+    """The files of the corpus, sorted by path: files named by `dataset_path` (directories
+    searched recursively for `dataset_glob`), without empty files and text files that are not
+    UTF-8. A file reached twice (nested entries, links) counts once."""
     docs: dict[Path, Document] = {}
     for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
         resolved = path.resolve()
-        if resolved not in docs and _is_text(resolved):
+        usable = path.stat().st_size > 0 if is_record_file(path) else _is_text(resolved)
+        if resolved not in docs and usable:
             docs[resolved] = Document(name, path)
     if not docs:
         where = cfg.dataset_path or [sysconfig.get_paths()["stdlib"]]
@@ -149,21 +163,52 @@ def _unit_hash(*parts) -> float:
 
 def split_documents(docs: list[Document], eval_fraction: float, seed: int
                     ) -> tuple[list[Document], list[Document]]:
-    """(train, held_out), each sorted by path. A document is held out iff
+    """(train, held_out) files, each sorted by path. A text file is held out iff
     sha256(seed, name) / 2**64 < eval_fraction, so the split depends on neither the listing order
-    nor the other documents. Each side gets at least one document: if one side comes out empty,
-    the document whose hash is nearest the threshold moves across."""
-    if len(docs) < 2:
+    nor the other documents. Record files are on both sides: their records are split one by one
+    by the same rule (`held_out`). In a corpus of text files only, each side gets at least one
+    file: if one side comes out empty, the file whose hash is nearest the threshold moves
+    across."""
+    records = [d for d in docs if d.records]
+    files = [d for d in docs if not d.records]
+    if len(files) < 2 and not records:
         raise DataError(f"config key `dataset_path`: the corpus has {len(docs)} document(s); a "
-                        "training and a held-out split need at least 2 files")
-    ranked = sorted(docs, key=lambda d: (_unit_hash(seed, d.name), d.name, d.path))
-    held = sum(_unit_hash(seed, d.name) < eval_fraction for d in ranked)
-    held = min(max(held, 1), len(ranked) - 1)
+                        "training and a held-out split need at least 2 files (or records)")
+    ranked = sorted(files, key=lambda d: (_unit_hash(seed, d.name), d.name, d.path))
+    held = sum(held_out(seed, d.name, eval_fraction) for d in ranked)
+    if not records:
+        held = min(max(held, 1), len(ranked) - 1)
 
     def by_path(part: list[Document]) -> list[Document]:
         return sorted(part, key=lambda d: d.path)
 
-    return by_path(ranked[held:]), by_path(ranked[:held])
+    return by_path(ranked[held:] + records), by_path(ranked[:held] + records)
+
+
+def held_out(seed: int, name: str, eval_fraction: float) -> bool:
+    """Whether the document called `name` belongs to the held-out split."""
+    return _unit_hash(seed, name) < eval_fraction
+
+
+def split_texts(docs: list[Document], split: str, cfg: Config) -> Iterator[str]:
+    """The texts of one split's documents (`split_documents`), in path then record order, read
+    lazily; a record file yields its records of this split, each named `path#row`. Records without
+    text are skipped and counted in one progress note."""
+    empty = 0
+    for doc in docs:
+        if not doc.records:
+            yield doc.text()
+            continue
+        for row, text in read_records(doc.path, cfg.dataset_text_field):
+            if held_out(cfg.seed, f"{doc.name}#{row}", cfg.eval_fraction) != (split == "eval"):
+                continue
+            if text is None:
+                empty += 1
+                continue
+            yield text
+    if empty:
+        log.info("skipped %d %s-split records with no text (null or empty %r)", empty, split,
+                 cfg.dataset_text_field)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,10 +228,14 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def _fingerprint(docs: list[Document]) -> list:
-    """What identifies a set of documents for caching: sorted (name, size, mtime_ns)."""
+def _fingerprint(docs: list[Document], cfg: Config) -> list:
+    """What identifies one split's documents for caching: sorted (name, size, mtime_ns) of the
+    files, and with record files what splits and reads their records."""
     stats = [(d.name, d.path.stat()) for d in docs]
-    return sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+    files = sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+    if any(d.records for d in docs):
+        return [files, cfg.seed, cfg.eval_fraction, cfg.dataset_text_field]
+    return files
 
 
 def _write_atomic(path: Path, write: Callable) -> None:
@@ -234,7 +283,7 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
         content = hashlib.sha256(source.read_bytes()).hexdigest()[:20]
         directory = cache_root(cfg) / f"tokenizer-{content}"
     else:
-        key = [CACHE_VERSION, _fingerprint(train_docs), cfg.tokenizer_vocab_size,
+        key = [CACHE_VERSION, _fingerprint(train_docs, cfg), cfg.tokenizer_vocab_size,
                tokenizers.__version__]
         directory = cache_root(cfg) / f"bpe-{_digest(key)}"
         path = directory / "tokenizer.json"
@@ -242,7 +291,8 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
             size = sum(d.path.stat().st_size for d in train_docs) / 1e6
             log.info("training a %d-token byte-level BPE on %d files (%.1f MB)",
                      cfg.tokenizer_vocab_size, len(train_docs), size)
-            trained = train_tokenizer((d.text() for d in train_docs), cfg.tokenizer_vocab_size)
+            trained = train_tokenizer(split_texts(train_docs, "train", cfg),
+                                      cfg.tokenizer_vocab_size)
             _write_atomic(path, lambda f: f.write(trained.to_str().encode()))
         tokenizer = Tokenizer.from_file(str(path))
     if tokenizer.get_vocab_size() > cfg.vocab_size:
@@ -260,13 +310,13 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
 # 4. Token streams
 
 
-def encode_documents(tokenizer: Tokenizer, texts: list[str], eot_id: int) -> np.ndarray:
-    """[N] int32: each text's ids (no added special tokens) followed by `eot_id`, concatenated."""
-    pieces = []
-    for start in range(0, len(texts), ENCODE_CHUNK):
-        chunk = tokenizer.encode_batch_fast(texts[start:start + ENCODE_CHUNK],
-                                            add_special_tokens=False)
-        for encoding in chunk:
+def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int) -> np.ndarray:
+    """[N] int32: each text's ids (no added special tokens) followed by `eot_id`, concatenated;
+    `texts` is read ENCODE_CHUNK at a time, so only the ids are ever all in memory."""
+    pieces = [np.zeros(0, np.int32)]
+    texts = iter(texts)
+    while chunk := list(itertools.islice(texts, ENCODE_CHUNK)):
+        for encoding in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
             pieces += [np.asarray(encoding.ids, np.int32), np.array([eot_id], np.int32)]
     return np.concatenate(pieces)
 
@@ -275,17 +325,87 @@ def load_stream(cfg: Config, tokenizer: Tokenizer, directory: Path, docs: list[D
                 split: str) -> np.ndarray:
     """[N] int32 token stream of `docs` (see `encode_documents`), cached as
     `directory/{split}-{key}.npy`, the key covering the documents (names, sizes, mtimes)."""
-    path = directory / f"{split}-{_digest([CACHE_VERSION, split, _fingerprint(docs)])}.npy"
+    path = directory / f"{split}-{_digest([CACHE_VERSION, split, _fingerprint(docs, cfg)])}.npy"
     if not path.exists():
         log.info("encoding the %s split: %d files", split, len(docs))
-        stream = encode_documents(tokenizer, [d.text() for d in docs], tokenizer.token_to_id(EOT))
+        stream = encode_documents(tokenizer, split_texts(docs, split, cfg),
+                                  tokenizer.token_to_id(EOT))
         _write_atomic(path, lambda f: np.save(f, stream))
     stream = np.load(path, mmap_mode="r")
+    _check_ids(stream, split, cfg)
+    return stream
+
+
+# ---------------------------------------------------------------------------------------------
+# 4b. Pre-tokenized token files (dataset_type: tokens)
+
+
+def token_files(cfg: Config) -> tuple[Path, Path | None]:
+    """(training file, held-out file or None) named by `dataset_path`: token files (.bin/.npy),
+    or directories holding them. A file whose stem is one of HELD_OUT_STEMS (nanoGPT's val.bin)
+    is the held-out split; exactly one other file is the training split."""
+    found = []
+    for entry in cfg.dataset_path:
+        root = Path(entry).expanduser()
+        if root.is_dir():
+            found += sorted(p for p in root.iterdir() if p.suffix in TOKEN_SUFFIXES)
+        elif root.is_file() and root.suffix in TOKEN_SUFFIXES:
+            found.append(root)
+        else:
+            raise DataError(f"config key `dataset_path`: {entry!r} is not a token file "
+                            f"({'/'.join(TOKEN_SUFFIXES)}) or a directory holding them")
+    held = [p for p in found if p.stem in HELD_OUT_STEMS]
+    train = [p for p in found if p.stem not in HELD_OUT_STEMS]
+    if len(train) != 1 or len(held) > 1:
+        raise DataError(f"config key `dataset_path`: dataset_type 'tokens' needs one training "
+                        f"token file and at most one held-out file (stem in {HELD_OUT_STEMS}), "
+                        f"found {[str(p) for p in found]}")
+    return train[0], (held[0] if held else None)
+
+
+def read_token_file(path: Path) -> tuple[np.ndarray, int]:
+    """(memory-mapped [N] ids, end-of-text id) of a token file. Its sidecar `<file>.json`, or
+    `meta.json` beside it, gives {"dtype": one of TOKEN_DTYPES, "eot_id": the id that ends every
+    document (the document boundaries)}; a .npy file's own header must agree on the dtype."""
+    sidecar = next((p for p in (path.with_name(path.name + ".json"), path.with_name("meta.json"))
+                    if p.is_file()), None)
+    if sidecar is None:
+        raise DataError(f"{path} has no sidecar: write {path.name}.json (or meta.json beside it) "
+                        'holding {"dtype": "uint16", "eot_id": 50256} with your dtype and '
+                        "end-of-text id")
+    meta = json.loads(sidecar.read_text())
+    if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("eot_id"), int):
+        raise DataError(f"{sidecar}: needs \"dtype\" (one of {TOKEN_DTYPES}) and an integer "
+                        f"\"eot_id\", got {meta}")
+    if path.suffix == ".npy":
+        ids = np.load(path, mmap_mode="r")
+        if ids.dtype != np.dtype(meta["dtype"]) or ids.ndim != 1:
+            raise DataError(f"{path} holds {ids.dtype} of shape {ids.shape}; its sidecar "
+                            f"{sidecar.name} says 1-D {meta['dtype']}")
+    else:
+        ids = np.memmap(path, dtype=meta["dtype"], mode="r")
+    return ids, meta["eot_id"]
+
+
+def _token_stream(cfg: Config, split: str) -> tuple[np.ndarray, int]:
+    """[N] ids of one split of the token files, and the end-of-text id. Without a held-out file,
+    the held-out split is the tail of the training file: its last `eval_fraction` of the tokens,
+    from the first document boundary there on (whole documents)."""
+    train_file, held_file = token_files(cfg)
+    if held_file is not None:
+        return read_token_file(train_file if split == "train" else held_file)
+    ids, eot_id = read_token_file(train_file)
+    start = int(len(ids) * (1 - cfg.eval_fraction))
+    ends = np.flatnonzero(ids[start:] == eot_id)
+    cut = start + int(ends[0]) + 1 if len(ends) else len(ids)
+    return (ids[:cut] if split == "train" else ids[cut:]), eot_id
+
+
+def _check_ids(stream: np.ndarray, split: str, cfg: Config) -> None:
     if stream.size and int(stream.max()) >= cfg.vocab_size:
         raise DataError(f"the {split} stream has token ids >= vocab_size={cfg.vocab_size} (up to "
                         f"{int(stream.max())}): the tokenizer does not fit the model; lower "
                         "`tokenizer_vocab_size` / change `tokenizer_path` or raise `vocab_size`")
-    return stream
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +468,9 @@ class TextBatches:
     first num_rows rows of 'eval' are the whole held-out split and a batch is rows from all over
     it (a held-out split smaller than one batch repeats rows within the batch).
 
+    The split's token stream comes from the text pipeline (dataset_type 'text') or from token
+    files ('tokens'; `tokenizer` is then `tokenizer_path`'s, or None).
+
     Attributes: split, tokenizer, eot_id, num_rows, tokens_in_split, global_batch, local_batch.
     """
 
@@ -358,11 +481,19 @@ class TextBatches:
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         self.global_batch, self.local_batch, self._first = process_share(
             cfg, num_processes, process_index, global_batch)
-        train_docs, eval_docs = split_documents(corpus_documents(cfg), cfg.eval_fraction, cfg.seed)
-        self.tokenizer, directory = load_tokenizer(cfg, train_docs)
-        self.eot_id = self.tokenizer.token_to_id(EOT)
-        docs = train_docs if split == "train" else eval_docs
-        stream = self._stream = load_stream(cfg, self.tokenizer, directory, docs, split)
+        if cfg.dataset_type == "tokens":
+            stream, self.eot_id = _token_stream(cfg, split)
+            _check_ids(stream, split, cfg)
+            self.tokenizer = (Tokenizer.from_file(str(Path(cfg.tokenizer_path).expanduser()))
+                              if cfg.tokenizer_path else None)
+        else:
+            train_docs, eval_docs = split_documents(corpus_documents(cfg), cfg.eval_fraction,
+                                                    cfg.seed)
+            self.tokenizer, directory = load_tokenizer(cfg, train_docs)
+            self.eot_id = self.tokenizer.token_to_id(EOT)
+            docs = train_docs if split == "train" else eval_docs
+            stream = load_stream(cfg, self.tokenizer, directory, docs, split)
+        self._stream = stream
         seq_len = cfg.max_target_length
         self.split, self.tokens_in_split = split, len(stream)
         self.num_rows = num_rows(len(stream), seq_len)
@@ -400,7 +531,7 @@ class SyntheticBatches:
         self.global_batch, self.local_batch, self._first = process_share(
             cfg, num_processes, process_index, global_batch)
         self._cfg, self._seed = cfg, cfg.seed + (split == "eval")
-        self.split, self.num_rows = split, None
+        self.split, self.num_rows, self.tokenizer = split, None, None
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self._cfg
@@ -418,5 +549,5 @@ class SyntheticBatches:
 
 def batches(cfg: Config, split: str = "train", **kwargs) -> TextBatches | SyntheticBatches:
     """The data source of `cfg.dataset_type` for a split ('train' or 'eval')."""
-    source = TextBatches if cfg.dataset_type == "text" else SyntheticBatches
+    source = SyntheticBatches if cfg.dataset_type == "synthetic" else TextBatches
     return source(cfg, split, **kwargs)

@@ -113,8 +113,9 @@ def load(run_dir) -> Generator:
     tokenizer_file = run_dir / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
-            f"{tokenizer_file} is missing: only runs on text data (dataset_type: text) have a "
-            "tokenizer to turn the sampled ids into text" if cfg.dataset_type != "text" else
+            f"{tokenizer_file} is missing: only runs on text data (dataset_type: text, or "
+            "tokens with a tokenizer_path) have a tokenizer to turn the sampled ids into text"
+            if cfg.dataset_type != "text" else
             f"{tokenizer_file} is missing: runs trained before the trainer kept the tokenizer "
             "have none; train again, or copy the tokenizer.json the run used (in the data cache) "
             "there")

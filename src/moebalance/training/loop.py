@@ -263,7 +263,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
-        if cfg.dataset_type == "text":
+        if train_data.tokenizer is not None:
             (out / "tokenizer.json").write_text(train_data.tokenizer.to_str())
     model, optimizer = build(cfg, mesh, train_data)
     checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
@@ -368,7 +368,7 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     source = data.batches(cfg, split)
     if batches is None:
         per_batch = cfg.gradient_accumulation_steps * source.global_batch
-        batches = max(1, source.num_rows // per_batch) if cfg.dataset_type == "text" else 4
+        batches = max(1, source.num_rows // per_batch) if source.num_rows else 4
     model, optimizer = build(cfg, mesh, source)  # hash tables too come from the checkpoint
     step = checkpoint.restore_latest(run_dir, model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
