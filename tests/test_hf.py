@@ -1,5 +1,9 @@
+"""Checkpoint interop, checked against files and logits that transformers itself produced
+(tests/fixtures/hf/, made by tools/make_hf_fixture.py; no torch here)."""
+
 import json
 import re
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -9,10 +13,27 @@ from flax import nnx
 
 from moebalance import hf
 from moebalance import safetensors_io as st
-from moebalance.config import load_config
+from moebalance.config import ConfigError, load_config
+from moebalance.hf import names
 from moebalance.model.transformer import DeepSeekV4
 
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+MODELS = ("tiny4", "tiny12")
+LAYOUT_DIRS = {"transformers": "transformers", "memory": "transformers-memory"}
 OVER = dict(mtp_num_layers=1, compress_ratios=[0, 0, 4, 8], max_target_length=16)
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens).logits
+
+
+def _expected(name):
+    return st.load(FIXTURES / name / "expected.safetensors")
+
+
+def _config_json(path):
+    return json.loads((path / "config.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +46,112 @@ def saved(tmp_path_factory):
     return cfg, model, path
 
 
+@pytest.fixture(scope="module")
+def tiny12_saved(tmp_path_factory):
+    """The tiny12 fixture loaded from transformers' directory and written back by hf.save."""
+    cfg, model = hf.load(FIXTURES / "tiny12" / "transformers")
+    path = tmp_path_factory.mktemp("ckpt") / "tiny12"
+    hf.save(model, cfg, path)
+    return cfg, model, path
+
+
+def _state(model):
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def _assert_same_model(a, b):
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys()
+    for p in sa:
+        np.testing.assert_array_equal(sa[p], sb[p], err_msg=str(p))
+        assert sa[p].dtype == sb[p].dtype, p
+
+
+# --- parity with transformers -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout_dir", LAYOUT_DIRS)
+@pytest.mark.parametrize("name", MODELS)
+def test_transformers_layouts_load_with_its_logits(name, layout_dir):
+    path = FIXTURES / name / layout_dir
+    assert names.detect_layout(st.load(path / "model.safetensors")) == LAYOUT_DIRS[layout_dir]
+    _, model = hf.load(path)
+    expected = _expected(name)
+    got = np.asarray(_logits(model, jnp.asarray(expected["input_ids"])))
+    for key in ("logits", "logits_float64"):  # float32, and transformers' float64 forward
+        want = expected[key]
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), key
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_both_config_styles_describe_the_same_model(name):
+    new = hf.config_from_hf(_config_json(FIXTURES / name / "transformers"))
+    flat = hf.config_from_hf(_config_json(FIXTURES / name / "memory"))
+    assert new == flat
+    assert new.mtp_num_layers == 1  # transformers writes 1; load() drops it without MTP tensors
+    if name == "tiny12":
+        assert new.first_num_hash_layers == 3 and new.rope_factor == 4.0
+        assert new.compress_ratios == [0, 0, 4, 8, 4, 8, 4, 8, 4, 8, 0, 4]
+        assert new.qk_rope_head_dim == 8 and new.max_target_length == 64  # 16 x YaRN 4
+
+
+def test_save_writes_what_transformers_writes(tiny12_saved):
+    """hf.save's tensors are save_pretrained's, bit for bit; its config.json keys are
+    transformers' with transformers' values (the MTP count aside: transformers writes 1 for a
+    model without one)."""
+    cfg, model, path = tiny12_saved
+    theirs = st.load(FIXTURES / "tiny12" / "transformers" / "model.safetensors")
+    ours = st.load(path / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for n in theirs:
+        assert ours[n].dtype == theirs[n].dtype, n
+        np.testing.assert_array_equal(ours[n], theirs[n], err_msg=n)
+    their_config = _config_json(FIXTURES / "tiny12" / "transformers")
+    our_config = _config_json(path)
+    assert our_config.pop("num_nextn_predict_layers") == 0
+    del our_config["moebalance_config"]
+    assert {k: their_config[k] for k in our_config} == our_config
+    cfg2, model2 = hf.load(path)
+    assert cfg2 == cfg
+    _assert_same_model(model, model2)
+
+
+def test_transformers_loaded_our_output():
+    """What tools/make_hf_fixture.py measured: transformers' from_pretrained on hf.save's output
+    (the fixtures written back, and a model of ours with an MTP layer) gives the same logits."""
+    parity = json.loads((FIXTURES / "parity.json").read_text())
+    for name in MODELS:
+        assert parity[name]["moebalance_save_in_transformers"]["max_rel"] <= 1e-5
+    assert parity["moebalance-smoke-mtp"]["max_rel"] <= 1e-5
+    assert parity["moebalance-smoke-mtp"]["mtp_tensors_ignored"] > 0
+
+
+def test_save_pretrained_names_are_deepseeks():
+    """transformers' save_pretrained names are DeepSeek's release names under `model.` with the
+    exceptions below (written out by hand): an independent check of our DeepSeek names."""
+    exceptions = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+                  "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+                  "model.hc_head.hc_scale": "hc_head_scale"}
+    files = st.load(FIXTURES / "tiny4" / "transformers" / "model.safetensors")
+    release = {exceptions.get(n, n.removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm."))
+               for n in files}
+    _, model = hf.load(FIXTURES / "tiny4" / "memory")
+    assert set(hf.deepseek_tensors(model)) == release
+
+
+# --- our own round trip, errors ---------------------------------------------------------------
+
+
 def test_round_trip_is_bit_exact_and_sharded(saved):
     cfg, model, path = saved
     assert (path / "model.safetensors.index.json").exists()
     cfg2, model2 = hf.load(path)
-    assert cfg2 == cfg
-    before = nnx.to_flat_state(nnx.state(model))
-    after = dict(nnx.to_flat_state(nnx.state(model2)))
-    assert len(before) == len(after)
-    for p, v in before:
-        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(after[p][...]),
-                                      err_msg=str(p))
-        assert v[...].dtype == after[p][...].dtype
-    tokens = jnp.arange(16)[None] % 256
-    out1, out2 = model(tokens, mtp_tokens=tokens), model2(tokens, mtp_tokens=tokens)
-    np.testing.assert_array_equal(out1.logits, out2.logits)
+    assert cfg2 == cfg  # incl. swiglu_limit 0 (off), written as transformers' Infinity
+    assert _config_json(path)["swiglu_limit"] == float("inf")
+    _assert_same_model(model, model2)  # every variable, the MTP layer's too
 
 
-def test_hf_names_and_layouts(saved):
+def test_names_and_layouts(saved):
     cfg, model, path = saved
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     tensors = {}
@@ -50,45 +159,81 @@ def test_hf_names_and_layouts(saved):
         tensors.update(st.load(path / f))
     d, e, f_ = cfg.base_emb_dim, cfg.num_experts, cfg.base_moe_mlp_dim
     assert tensors["model.embed_tokens.weight"].shape == (cfg.vocab_size, d)
-    assert tensors["lm_head.weight"].shape == (cfg.vocab_size, d)
-    assert tensors["model.layers.3.mlp.experts.gate_up_proj"].shape == (e, 2 * f_, d)
-    assert tensors["model.layers.3.mlp.experts.down_proj"].shape == (e, d, f_)
-    assert tensors["model.layers.0.mlp.gate.tid2eid"].shape == (cfg.vocab_size, 2)
-    assert "model.layers.0.mlp.gate.e_score_correction_bias" not in tensors
-    np.testing.assert_array_equal(tensors["model.layers.3.mlp.gate.e_score_correction_bias"],
+    assert tensors["head.weight"].shape == (cfg.vocab_size, d)
+    w1 = np.asarray(model.segments[-1].ffn.w1[...])  # [E, D, F]
+    np.testing.assert_array_equal(tensors["model.layers.3.ffn.experts.5.w1.weight"], w1[5].T)
+    assert tensors["model.layers.3.ffn.experts.7.w2.weight"].shape == (d, f_)
+    assert tensors["model.layers.0.ffn.gate.tid2eid"].shape == (cfg.vocab_size, 2)
+    assert tensors["model.layers.0.ffn.gate.tid2eid"].dtype == np.int64
+    assert "model.layers.0.ffn.gate.bias" not in tensors  # hash layers have none
+    np.testing.assert_array_equal(tensors["model.layers.3.ffn.gate.bias"],
                                   np.asarray(model.segments[-1].ffn.bias[...]))
-    q_a = np.asarray(model.segments[-1].attn.wq_a[...])
-    np.testing.assert_array_equal(tensors["model.layers.3.self_attn.q_a_proj.weight"], q_a.T)
-    assert "model.layers.2.self_attn.compressor.indexer.q_b_proj.weight" in tensors
-    assert "mtp.0.e_proj.weight" in tensors
-    config = json.loads((path / "config.json").read_text())
+    assert "model.layers.2.attn.indexer.compressor.wkv.weight" in tensors
+    assert "model.layers.1.attn.norm.weight" in tensors  # DeepSeek's attn.kv_norm.weight
+    assert "mtp.0.e_proj.weight" in tensors and "mtp.0.attn.kv_norm.weight" in tensors
+    config = _config_json(path)
     assert config["architectures"] == ["DeepseekV4ForCausalLM"]
-    assert config["num_hash_layers"] == 2 and config["compress_ratios"] == [0, 0, 4, 8]
+    assert config["mlp_layer_types"] == ["hash_moe", "hash_moe", "moe", "moe"]
+    assert config["compress_rates"]["heavily_compressed_attention"] == 8
 
 
 def _copy(path, dst, edit):
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     tensors = {}
-    for f in set(index.values()):
-        tensors.update({k: np.array(v) for k, v in st.load(path / f).items()})
+    for f in path.glob("*.safetensors"):
+        tensors.update({k: np.array(v) for k, v in st.load(f).items()})
     edit(tensors)
     dst.mkdir()
     st.save(tensors, dst / "model.safetensors")
     (dst / "config.json").write_text((path / "config.json").read_text())
 
 
-def test_mismatched_checkpoints_name_the_tensor(saved, tmp_path):
+SAVED_LAYOUT = "read as transformers' save_pretrained layout"
+
+
+def test_mismatched_checkpoints_name_the_tensor_and_layout(saved, tmp_path):
     _, _, path = saved
-    name = "model.layers.1.self_attn.q_b_proj.weight"
+    name = "model.layers.1.attn.wq_b.weight"
     _copy(path, tmp_path / "a", lambda t: t.update({name: t[name][:-1]}))
-    with pytest.raises(ValueError, match=f"tensor {name} has shape"):
+    with pytest.raises(ValueError, match=f"tensor {name} .* has shape .*{SAVED_LAYOUT}"):
         hf.load(tmp_path / "a")
-    _copy(path, tmp_path / "b", lambda t: t.pop("model.norm.weight"))
-    with pytest.raises(ValueError, match="lacks tensor model.norm.weight"):
+    _copy(path, tmp_path / "b", lambda t: t.pop("model.layers.1.attn.norm.weight"))
+    with pytest.raises(ValueError, match=r"lacks tensor model.layers.1.attn.norm.weight "
+                       rf"\(DeepSeek's layers.1.attn.kv_norm.weight\); .*{SAVED_LAYOUT}"):
         hf.load(tmp_path / "b")
     _copy(path, tmp_path / "c", lambda t: t.update({"model.layers.9.extra": np.zeros(2)}))
-    with pytest.raises(ValueError, match="model.layers.9.extra matches nothing"):
+    with pytest.raises(ValueError, match=f"model.layers.9.extra matches nothing.*{SAVED_LAYOUT}"):
         hf.load(tmp_path / "c")
+    _copy(path, tmp_path / "d", lambda t: [t.pop(n) for n in list(t)])
+    with pytest.raises(ValueError, match="cannot tell the checkpoint's layout"):
+        hf.load(tmp_path / "d")
+
+
+def test_in_memory_layout_errors_name_the_fused_tensor(tmp_path):
+    fused = "model.layers.2.mlp.experts.down_proj"
+    _copy(FIXTURES / "tiny4" / "memory", tmp_path / "m", lambda t: t.pop(fused))
+    with pytest.raises(ValueError, match=rf"lacks tensor {fused} \(DeepSeek's "
+                       r"layers.2.ffn.experts.0.w2.weight\); .* in-memory state_dict names"):
+        hf.load(tmp_path / "m")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["compress_rates"].update(compressed_sparse_attention=8), "CSA layers compress 4"),
+    (lambda c: c["mlp_layer_types"].reverse(), "hash_moe first"),
+    (lambda c: c["rope_parameters"]["compress"].pop("attention_factor"), "attention_factor None"),
+    (lambda c: c.pop("layer_types"), "no attention layers"),
+])
+def test_config_json_that_we_cannot_run_is_named(edit, message):
+    config = _config_json(FIXTURES / "tiny12" / "transformers")
+    edit(config)
+    with pytest.raises(ConfigError, match=message):
+        hf.config_from_hf(config)
+
+
+def test_config_transformers_cannot_hold_is_refused(tmp_path):
+    cfg = load_config("deepseek4-smoke", dict(compress_ratios=[8, 0, 4, 16]))
+    with pytest.raises(ConfigError, match=r"one heavily-compressed ratio, .* \[8, 16\]"):
+        hf.save(DeepSeekV4(cfg, rngs=nnx.Rngs(0)), cfg, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_save_refuses_to_overwrite(saved):
@@ -103,21 +248,30 @@ def test_corrupt_file_is_reported(tmp_path):
         st.load(tmp_path / "x.safetensors")
 
 
+# --- quantised weights, DeepSeek's release layout ---------------------------------------------
+
+
+def test_scale_names_become_deepseeks():
+    assert names.deepseek_name("model.layers.0.attn.wq_b.weight_scale_inv", "transformers") == (
+        "layers.0.attn.wq_b.scale")
+    assert names.deepseek_name("model.layers.0.self_attn.q_b_proj.weight_scale_inv",
+                               "transformers-memory") == "layers.0.attn.wq_b.scale"
+    assert names.deepseek_name("layers.0.attn.wq_b.weight_scale_inv", "deepseek") == (
+        "layers.0.attn.wq_b.scale")
+
+
 def test_fp8_block_dequantization():
     rng = np.random.default_rng(0)
     w = rng.normal(size=(300, 260)).astype(ml_dtypes.float8_e4m3fn)  # exact fp8 values
     exps = rng.integers(-3, 4, size=(3, 3))
     scale = (2.0 ** exps).astype(ml_dtypes.float8_e8m0fnu)
-    got = hf.dequantize("a.weight", {"a.weight": w, "a.weight_scale_inv": scale}, (300, 260))
     want = np.zeros((300, 260), np.float32)
     for o in range(300):
         for i in range(260):
             want[o, i] = float(w[o, i]) * 2.0 ** exps[o // 128, i // 128]
-    np.testing.assert_array_equal(got, want)
-    # DeepSeek's own naming: `<module>.scale`
-    got2 = hf.dequantize("a.weight", {"a.weight": w, "a.scale": scale.astype(np.float32)},
-                         (300, 260))
-    np.testing.assert_array_equal(got2, want)
+    for s in (scale, scale.astype(np.float32)):  # ue8m0 or float32 scales
+        got = hf.dequantize("a.weight", {"a.weight": w, "a.scale": s}, (300, 260))
+        np.testing.assert_array_equal(got, want)
 
 
 def test_fp4_dequantization_low_nibble_first():
@@ -129,18 +283,17 @@ def test_fp4_dequantization_low_nibble_first():
     table = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
     want = np.array([[table[codes[o, i]] * 2.0 ** exps[o, i // 32] for i in range(64)]
                      for o in range(4)], np.float32)
-    got = hf.dequantize("e.weight", {"e.weight": packed, "e.weight_scale_inv": scale}, (4, 64))
+    got = hf.dequantize("e.weight", {"e.weight": packed, "e.scale": scale}, (4, 64))
     np.testing.assert_array_equal(got, want)
 
 
 def test_quantized_checkpoint_imports(saved, tmp_path):
-    """An FP8-quantised q_b_proj (values exactly representable) imports to the same model."""
+    """An FP8 wq_b with transformers' `weight_scale_inv` (values exactly representable)."""
     _, model, path = saved
-    name = "model.layers.3.self_attn.q_b_proj.weight"
+    name = "model.layers.3.attn.wq_b.weight"
 
     def quantize(t):
-        w = t[name].astype(np.float32)
-        q = w.astype(ml_dtypes.float8_e4m3fn)
+        q = t[name].astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
         t[name] = q
         t[name + "_scale_inv"] = np.ones((1, 1), ml_dtypes.float8_e8m0fnu)
         quantize.expected = q.astype(np.float32)
@@ -166,37 +319,6 @@ def test_convert_command(saved, tmp_path):
     assert main(["convert", str(path), str(tmp_path / "bf16")]) == 2  # refuses to overwrite
 
 
-# HF name inside a block -> DeepSeek's release name (from DeepSeek's inference code), written out
-# by hand as an independent check of hf.official_to_hf.
-OFFICIAL = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
-    "ffn_norm.weight", "self_attn.sinks": "attn.attn_sink",
-    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_norm.weight":
-    "attn.q_norm.weight", "self_attn.q_b_proj.weight": "attn.wq_b.weight",
-    "self_attn.kv_proj.weight": "attn.wkv.weight", "self_attn.kv_norm.weight":
-    "attn.kv_norm.weight", "self_attn.o_a_proj.weight": "attn.wo_a.weight",
-    "self_attn.o_b_proj.weight": "attn.wo_b.weight",
-    "self_attn.compressor.position_bias": "attn.compressor.ape",
-    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
-    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
-    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
-    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
-    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
-    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
-    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
-    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
-    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
-    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
-    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
-    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
-}
-for _s in ("attn", "ffn"):
-    for _p in ("fn", "base", "scale"):
-        OFFICIAL[f"{_s}_hc.{_p}"] = f"hc_{_s}_{_p}"
-
-
 def _fp4(w, rng):
     """Replace w [out, in] by FP4-representable values; return (packed int8, e8m0 scales, w)."""
     codes = rng.integers(0, 16, size=w.shape)
@@ -209,36 +331,15 @@ def _fp4(w, rng):
 
 def test_deepseek_release_layout_with_fp4_experts(tmp_path):
     cfg = load_config("deepseek4-smoke", dict(OVER, base_moe_mlp_dim=64))
-    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
-    tensors = hf.to_hf_tensors(model)
+    expected = hf.deepseek_tensors(DeepSeekV4(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
-    official = {}
-    top = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-           "model.norm.weight": "norm.weight"}
-    for name, value in tensors.items():
-        m = re.fullmatch(r"(model\.layers\.\d+|mtp\.0)\.(.*)", name)
-        prefix, rest = (m.group(1).removeprefix("model."), m.group(2)) if m else (None, None)
-        if rest == "mlp.experts.gate_up_proj":  # per expert, in FP4
-            f_ = value.shape[1] // 2
-            for e in range(value.shape[0]):
-                for w, rows in (("w1", slice(0, f_)), ("w3", slice(f_, None))):
-                    packed, scale, exact = _fp4(value[e, rows], rng)
-                    official[f"{prefix}.ffn.experts.{e}.{w}.weight"] = packed
-                    official[f"{prefix}.ffn.experts.{e}.{w}.scale"] = scale
-                    value[e, rows] = exact  # what the import must reproduce
-        elif rest == "mlp.experts.down_proj":
-            for e in range(value.shape[0]):
-                official[f"{prefix}.ffn.experts.{e}.w2.weight"] = value[e]
-        elif rest in OFFICIAL:
-            official[f"{prefix}.{OFFICIAL[rest]}"] = value
-        elif name in top:
-            official[top[name]] = value
-        elif "hc_head.hc_" in name:
-            official[name.replace("model.", "").replace("hc_head.hc_", "hc_head_")] = value
-        else:  # mtp.0.e_proj / h_proj / enorm / hnorm / norm keep their names
-            official[name] = value
+    release = dict(expected)
+    for name in expected:
+        if re.fullmatch(r".*\.experts\.\d+\.w[13]\.weight", name):  # routed w1/w3 in FP4
+            release[name], release[name[: -len("weight")] + "scale"], expected[name] = _fp4(
+                expected[name], rng)
     (tmp_path / "ds").mkdir()
-    st.save(official, tmp_path / "ds" / "model.safetensors")
+    st.save(release, tmp_path / "ds" / "model.safetensors")
     args = dict(vocab_size=256, dim=64, moe_inter_dim=64, n_layers=4, n_hash_layers=2, n_heads=4,
                 n_routed_experts=8, n_shared_experts=1, n_activated_experts=2,
                 score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=0.0, q_lora_rank=32,
@@ -250,7 +351,7 @@ def test_deepseek_release_layout_with_fp4_experts(tmp_path):
     (tmp_path / "ds" / "config.json").write_text(json.dumps(args))
     cfg2, model2 = hf.load(tmp_path / "ds", max_target_length=16)
     assert cfg2.base_num_decoder_layers == 4 and cfg2.first_num_hash_layers == 2
-    got = hf.to_hf_tensors(model2)
-    assert sorted(got) == sorted(tensors)
-    for name in tensors:
-        np.testing.assert_array_equal(got[name], tensors[name], err_msg=name)
+    got = hf.deepseek_tensors(model2)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

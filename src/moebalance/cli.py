@@ -64,8 +64,8 @@ def _params(args) -> int:
 
 
 def _convert(args) -> int:
-    """Import a DeepSeek-V4 checkpoint in the HF layout (dequantising FP8/FP4) and write it back
-    out in plain float32 or bfloat16."""
+    """Import a DeepSeek-V4 checkpoint (DeepSeek's release or either transformers layout,
+    dequantising FP8/FP4) and write it in transformers' layout in float32 or bfloat16."""
     from moebalance import hf
 
     config, model = hf.load(args.src, weight_dtype=args.dtype)
@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true")
     evaluate.set_defaults(func=_eval)
     convert = sub.add_parser("convert", parents=[common],
-                             help="re-export an HF-layout DeepSeek-V4 checkpoint, "
-                             "dequantising FP8/FP4 weights")
+                             help="re-export a DeepSeek-V4 checkpoint (DeepSeek's or "
+                             "transformers' layout, FP8/FP4 dequantised) for transformers")
     convert.add_argument("src", help="directory with config.json and *.safetensors")
     convert.add_argument("dst", help="new directory to write (must not hold a checkpoint)")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
