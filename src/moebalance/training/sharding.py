@@ -17,10 +17,12 @@ the MoE layers read the mesh from there.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moebalance.config import Config, ConfigError
@@ -29,15 +31,68 @@ AXES = ("data", "fsdp", "expert")
 ROUTED_EXPERT_WEIGHTS = ("w1", "w2", "w3")  # [(layers,) E, ...] directly under an MoE `ffn`
 
 
+# Config keys that say how this process joins a multi-process run: they differ between the
+# processes of one run (the process id) and between a run and its resumption.
+LAUNCH_KEYS = ("jax_distributed_initialization", "distributed_coordinator",
+               "distributed_num_processes", "distributed_process_id")
+# The environment variables a launcher may set instead of those keys (one command for all hosts).
+LAUNCH_ENV = {"distributed_coordinator": "MOEBALANCE_COORDINATOR",
+              "distributed_num_processes": "MOEBALANCE_NUM_PROCESSES",
+              "distributed_process_id": "MOEBALANCE_PROCESS_ID"}
+
+
+def _env_int(environ, key: str) -> int | None:
+    """The integer in the environment variable standing for config key `key` (None: unset)."""
+    name = LAUNCH_ENV[key]
+    if name not in environ:
+        return None
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={environ[name]!r} must be an integer "
+                          f"(it stands for config key `{key}`)") from None
+
+
+def distributed_settings(cfg: Config, environ=os.environ) -> dict | None:
+    """The arguments of `jax.distributed.initialize`, or None for a single-process run.
+
+    A run is multi-process when `jax_distributed_initialization` is true or the environment sets
+    any of MOEBALANCE_COORDINATOR / MOEBALANCE_NUM_PROCESSES / MOEBALANCE_PROCESS_ID. Config keys
+    win over the environment; the three go together, and when none is given JAX discovers the
+    cluster itself (TPU slices, SLURM, Open MPI, Kubernetes; JAX_COORDINATOR_ADDRESS)."""
+    if not (cfg.jax_distributed_initialization or any(v in environ for v in LAUNCH_ENV.values())):
+        return None
+    coordinator = cfg.distributed_coordinator or environ.get(LAUNCH_ENV["distributed_coordinator"])
+    if cfg.distributed_num_processes:
+        processes, process_id = cfg.distributed_num_processes, cfg.distributed_process_id
+    else:
+        processes = _env_int(environ, "distributed_num_processes")
+        process_id = _env_int(environ, "distributed_process_id")
+    given = dict(zip(LAUNCH_ENV, (coordinator, processes, process_id)))
+    missing = [key for key, value in given.items() if value is None]
+    if missing and len(missing) < len(given):
+        raise ConfigError(f"a multi-process launch gives the coordinator, the process count and "
+                          f"this process's id together; missing: "
+                          f"{', '.join(f'`{k}` (or {LAUNCH_ENV[k]})' for k in missing)}")
+    if processes is not None and not 0 <= process_id < processes:
+        raise ConfigError(f"config key `distributed_process_id` (or MOEBALANCE_PROCESS_ID): "
+                          f"{process_id} is not in [0, {processes}) for {processes} processes")
+    return {"coordinator_address": coordinator, "num_processes": processes,
+            "process_id": process_id}
+
+
 def initialize_distributed(cfg: Config) -> None:
-    """`jax.distributed.initialize` for multi-host runs (before any other JAX call). Empty keys
-    let JAX discover the cluster itself (TPU pods, SLURM, Open MPI)."""
-    if not cfg.jax_distributed_initialization:
-        return
-    jax.distributed.initialize(
-        coordinator_address=cfg.distributed_coordinator or None,
-        num_processes=cfg.distributed_num_processes or None,
-        process_id=cfg.distributed_process_id if cfg.distributed_num_processes else None)
+    """`jax.distributed.initialize` for multi-process runs (before any other JAX call; once per
+    process, so a second run in the same process reuses the connection)."""
+    settings = distributed_settings(cfg)
+    if settings is not None and not jax.distributed.is_initialized():
+        jax.distributed.initialize(**settings)
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process of a multi-process run got here (no-op for one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
