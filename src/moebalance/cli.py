@@ -63,6 +63,39 @@ def _params(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    """Per-device memory and all-to-all traffic of a config's training step on N devices."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moebalance.config import load_config
+    from moebalance.training.plan import GIB, plan
+
+    result = plan(load_config(args.config, args.overrides), args.devices, args.device_memory,
+                  args.devices_per_host)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    mesh = " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
+    table = Table(title=f"{args.config} on {args.devices} devices ({mesh}): GiB per device")
+    for col in ("", "remat none", "remat full"):
+        table.add_column(col, justify="right")
+    for name in ("parameters", "optimizer", "gradients", "gathered"):
+        table.add_row(name, *[f"{getattr(result, name) / GIB:.2f}"] * 2)
+    table.add_row("activations", *(f"{result.activations[r] / GIB:.2f}" for r in ("none", "full")))
+    table.add_row("total", *(f"{result.total(r) / GIB:.2f}" for r in ("none", "full")))
+    if args.device_memory:
+        table.add_row(f"fits {args.device_memory:g} GiB",
+                      *("yes" if result.fits(r) else "no" for r in ("none", "full")))
+    for path in ("fast", "worst"):
+        table.add_row(f"all-to-all sent/step ({path})",
+                      *(f"{result.all_to_all[path][r] / GIB:.2f}" for r in ("none", "full")))
+    Console().print(table)
+    print(f"largest block's residuals {result.block / GIB:.2f} GiB; all-to-all pairs across "
+          f"hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")
+    return 0
+
+
 def _convert(args) -> int:
     """Import a DeepSeek-V4 checkpoint (DeepSeek's release or either transformers layout,
     dequantising FP8/FP4) and write it in transformers' layout in float32 or bfloat16."""
@@ -188,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("overrides", nargs="*", help="key=value overrides")
     params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
     params.set_defaults(func=_params)
+    planner = sub.add_parser("plan", parents=[common],
+                             help="per-device memory and all-to-all traffic of a training step "
+                                  "on N devices, and whether it fits (nothing is allocated)")
+    planner.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
+    planner.add_argument("overrides", nargs="*", help="key=value overrides (the ici_* keys give "
+                                                      "the mesh)")
+    planner.add_argument("--devices", type=int, required=True, help="accelerators in the mesh")
+    planner.add_argument("--device-memory", type=float, default=0.0,
+                         help="GiB of memory per accelerator: say whether it fits")
+    planner.add_argument("--devices-per-host", type=int, default=8,
+                         help="for the share of all-to-all traffic between hosts (default 8)")
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    planner.set_defaults(func=_plan)
     train = sub.add_parser("train", parents=[common],
                            help="train a config; writes a run directory")
     train.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")

@@ -72,6 +72,15 @@ def expert_parallel_ffn(x, indices, weights, valid, w1, w3, w2, *, mesh, expert_
         out_specs=(tokens, P()))(x, indices, weights, valid, w1, w3, w2)
 
 
+def fast_slots(num_assign: int, ranks: int, buffer_factor: float) -> int | None:
+    """Send slots per rank of the fast path, ceil(f * A_l / R), or None when there is none (one
+    rank, f <= 0, or no fewer slots than the worst case's A_l)."""
+    fast = math.ceil(buffer_factor * num_assign / ranks)
+    if ranks == 1 or buffer_factor <= 0 or fast >= num_assign:
+        return None
+    return fast
+
+
 def _local_ffn(x, indices, weights, valid, w1, w3, w2, *, ranks, axes, expert_mlp, layout,
                config):
     lead, d = x.shape[:-1], x.shape[-1]
@@ -89,8 +98,8 @@ def _local_ffn(x, indices, weights, valid, w1, w3, w2, *, ranks, axes, expert_ml
                          slots=slots, ranks=ranks, axes=axes, expert_mlp=expert_mlp,
                          layout=layout, config=config)
 
-    fast = math.ceil(config.ep_buffer_factor * num_assign / ranks)
-    if ranks == 1 or config.ep_buffer_factor <= 0 or fast >= num_assign:
+    fast = fast_slots(num_assign, ranks, config.ep_buffer_factor)
+    if fast is None:
         y, dropped = run(num_assign)
     else:
         fits = jax.lax.pmax(rank_counts.max(), axes) <= fast
