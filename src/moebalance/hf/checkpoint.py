@@ -141,15 +141,15 @@ def deepseek_tensors(model: DeepSeekV4) -> dict[str, np.ndarray]:
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
-def scale_name(name: str) -> str:
+def _scale_name(name: str) -> str:
     """DeepSeek's name of the scale of quantised weight `name`: `<module>.scale`."""
     return name.rsplit(".", 1)[0] + ".scale"
 
 
 def _scale_of(name: str, tensors) -> np.ndarray:
-    if scale_name(name) not in tensors:
-        raise ValueError(f"quantised tensor {name} has no scale ({scale_name(name)})")
-    return np.asarray(tensors[scale_name(name)]).astype(np.float32)
+    if _scale_name(name) not in tensors:
+        raise ValueError(f"quantised tensor {name} has no scale ({_scale_name(name)})")
+    return np.asarray(tensors[_scale_name(name)]).astype(np.float32)
 
 
 def dequantize(name: str, tensors, expected_shape, block: int = 128) -> np.ndarray:
@@ -278,7 +278,7 @@ def _fill(model: DeepSeekV4, source: _Source, block: int) -> None:
         if value.shape != want:
             raise source.error(f"tensor {source.describe(name)} has shape {stored.shape}, the "
                                f"config needs {want}")
-        used.update([name, scale_name(name)] if stored.dtype in _QUANTISED else [name])
+        used.update([name, _scale_name(name)] if stored.dtype in _QUANTISED else [name])
         if path not in arrays:
             arrays[path] = np.empty(var.shape, var.dtype)
         arrays[path][index] = _from_file(value, layout, shape).astype(var.dtype)

@@ -90,7 +90,8 @@ _INVERSE = {layout: {v: k for k, v in table.items()} for layout, table in
             (("transformers", _TOP["transformers"]),
              ("transformers-memory", _TOP["transformers-memory"]),
              ("saved block", _SAVED_BLOCK), ("memory block", _MEMORY_BLOCK))}
-_IN_BLOCK = re.compile(r"(model\.layers\.\d+|mtp\.0)\.(.+)")
+_IN_BLOCK = re.compile(r"(model\.layers\.\d+|mtp\.0)\.(.+)")  # transformers' block names
+_IN_DEEPSEEK_BLOCK = re.compile(r"(layers\.\d+|mtp\.0)\.(.+)")
 _FUSED = re.compile(r"(model\.layers\.\d+|mtp\.0)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _EXPERT = re.compile(r"(layers\.\d+|mtp\.0)\.ffn\.experts\.(\d+)\.(w[123])\.weight")
 
@@ -132,7 +133,7 @@ def layout_name(name: str, layout: str) -> str:
     top = _INVERSE.get(layout, {})
     if layout == "deepseek" or name in top:
         return top.get(name, name)
-    m = re.fullmatch(r"(layers\.\d+|mtp\.0)\.(.+)", name)
+    m = _IN_DEEPSEEK_BLOCK.fullmatch(name)
     if m is None:
         return name
     prefix, rest = ("model." if m[1].startswith("layers") else "") + m[1], m[2]
