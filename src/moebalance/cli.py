@@ -77,22 +77,25 @@ def _plan(args) -> int:
         print(json.dumps(result.as_dict()))
         return 0
     mesh = " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
-    table = Table(title=f"{args.config} on {args.devices} devices ({mesh}): GiB per device")
-    for col in ("", "remat none", "remat full"):
+    unit, scale = ("GiB", GIB) if result.total("none") >= GIB else ("MiB", 2**20)
+    print(f"{args.config} on {args.devices} devices ({mesh}), {unit} per device:")
+    table = Table()
+    table.add_column("")
+    for col in ("remat none", "remat full"):
         table.add_column(col, justify="right")
     for name in ("parameters", "optimizer", "gradients", "gathered"):
-        table.add_row(name, *[f"{getattr(result, name) / GIB:.2f}"] * 2)
-    table.add_row("activations", *(f"{result.activations[r] / GIB:.2f}" for r in ("none", "full")))
-    table.add_row("total", *(f"{result.total(r) / GIB:.2f}" for r in ("none", "full")))
+        table.add_row(name, *[f"{getattr(result, name) / scale:,.2f}"] * 2)
+    for name, values in (("activations", result.activations),
+                         ("total", {r: result.total(r) for r in ("none", "full")}),
+                         *((f"all-to-all sent/step ({path})", result.all_to_all[path])
+                           for path in ("fast", "worst"))):
+        table.add_row(name, *(f"{values[r] / scale:,.2f}" for r in ("none", "full")))
     if args.device_memory:
         table.add_row(f"fits {args.device_memory:g} GiB",
                       *("yes" if result.fits(r) else "no" for r in ("none", "full")))
-    for path in ("fast", "worst"):
-        table.add_row(f"all-to-all sent/step ({path})",
-                      *(f"{result.all_to_all[path][r] / GIB:.2f}" for r in ("none", "full")))
     Console().print(table)
-    print(f"largest block's residuals {result.block / GIB:.2f} GiB; all-to-all pairs across "
-          f"hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")
+    print(f"largest block's residuals: {result.block / scale:,.2f} {unit}; all-to-all pairs "
+          f"across hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")
     return 0
 
 

@@ -165,9 +165,8 @@ def global_rows(cfg: Config, mesh: AbstractMesh) -> int:
     return cfg.per_device_batch_size * mesh.size
 
 
-def loss_residuals(cfg: Config, mesh: AbstractMesh) -> int:
+def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
     """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps."""
-    model = abstract_model(cfg)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     routed = routed_layers(model)
     b, s = global_rows(cfg, mesh), cfg.max_target_length
@@ -203,22 +202,12 @@ def block_residuals(cfg: Config, block: Block, mesh: AbstractMesh) -> int:
     return residual_bytes(forward, (params, rest, h, ids, ids, ids), {2, 3, 4, 5}, mesh)
 
 
-def activation_bytes(cfg: Config, mesh: AbstractMesh) -> tuple[dict[str, int], int]:
-    """({remat policy: per-device activation bytes of one micro-batch}, the largest block's
-    residuals), as the module docstring defines them."""
-    traced = traced_config(cfg, "none")
-    block = max(block_residuals(traced, b, mesh) for b in abstract_blocks(traced))
-    return {"none": loss_residuals(traced, mesh) + WORKING_SET * block,
-            "full": loss_residuals(traced_config(cfg, "full"), mesh)
-            + (1 + WORKING_SET) * block}, block
-
-
-def gathered_bytes(cfg: Config, mesh: AbstractMesh) -> int:
+def gathered_bytes(blocks: list[Block], mesh: AbstractMesh) -> int:
     """What a device holds of the largest block's weights while running it beyond its own
     shard: the weights gathered over fsdp, the routed experts still split over `expert`."""
     whole = AbstractMesh((mesh.shape["data"] * mesh.shape["fsdp"], 1, mesh.shape["expert"]),
                          sharding.AXES)
-    return max(param_bytes(b, whole) - param_bytes(b, mesh) for b in abstract_blocks(cfg))
+    return max(param_bytes(b, whole) - param_bytes(b, mesh) for b in blocks)
 
 
 def all_to_all_bytes(cfg: Config, ranks: int) -> dict[str, dict[str, int]]:
@@ -260,14 +249,18 @@ def plan(cfg: Config, devices: int, device_memory_gib: float = 0.0,
     if devices_per_host < 1:
         raise ConfigError(f"--devices-per-host must be >= 1, got {devices_per_host}")
     mesh = abstract_mesh(cfg, devices)
-    model = abstract_model(cfg)
+    traced = {remat: traced_config(cfg, remat) for remat in ("none", "full")}
+    models = {remat: abstract_model(c) for remat, c in traced.items()}  # the same variables
+    model, blocks = models["none"], abstract_blocks(traced["none"])
+    block = max(block_residuals(traced["none"], b, mesh) for b in blocks)
+    activations = {remat: loss_residuals(traced[remat], models[remat], mesh)
+                   + (WORKING_SET + (remat == "full")) * block for remat in traced}
     grads = param_bytes(model, mesh)  # one per nnx.Param
-    activations, block = activation_bytes(cfg, mesh)
     ranks = mesh.shape["expert"]
     return Plan(mesh=dict(mesh.shape), parameters=shard_bytes(model, mesh),
                 optimizer=shard_bytes(abstract_optimizer(cfg, model), mesh),
                 gradients=grads * (2 if cfg.gradient_accumulation_steps > 1 else 1),
-                gathered=gathered_bytes(cfg, mesh), activations=activations, block=block,
+                gathered=gathered_bytes(blocks, mesh), activations=activations, block=block,
                 all_to_all=all_to_all_bytes(cfg, ranks),
                 cross_host=cross_host_share(ranks, devices, devices_per_host),
                 device_memory=int(device_memory_gib * GIB))
