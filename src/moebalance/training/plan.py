@@ -8,10 +8,11 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  divisible axis, routed experts over `expert`; biases and hash tables replicated)
     optimizer    the real `nnx.Optimizer` state (AdamW: mu and nu in the parameters' dtype, a step
                  count), sharded by the same rules
-    gradients    one per weight (`nnx.Param`), sharded like it; twice that with gradient accumulation (the
-                 running sum and the micro-batch's own)
-    gathered     the largest block's weights as one device holds them inside the block: fsdp
-                 gathered (XLA all-gathers a weight where it is used), routed experts E/R whole
+    gradients    one per weight (`nnx.Param`), sharded like it; twice that with gradient
+                 accumulation (the running sum and the micro-batch's own)
+    gathered     what a device holds of the largest block's weights beyond its own shard while
+                 running it: gathered over fsdp (XLA all-gathers a weight where it is used), the
+                 routed experts still split over `expert`
     activations  what the backward pass keeps from the forward pass of one micro-batch, plus the
                  backward's working set:
                      remat none:  saved(loss)       + 2 x block
@@ -21,8 +22,11 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  reads that is not an input. An array computed from the batch is split over all
                  devices (the batch is split over every mesh axis; inside the expert-parallel
                  `shard_map` each device holds its own rows); one computed from parameters alone
-                 (a cast to the compute dtype) is split like its parameter, over fsdp. With full
-                 remat the saved arrays are each block's inputs.
+                 (a cast to the compute dtype) is split like its parameter, over fsdp. The split
+                 is decided per top-level operation, so what a layer scan saves counts as from
+                 the batch, weight casts inside it too (undercounted by N / fsdp; they are a small
+                 part, and a remat scan saves only the blocks' inputs). With full remat the saved
+                 arrays are each block's inputs.
                  block = the largest single block's residuals. The backward of a block holds
                  about twice that again (WORKING_SET: the cotangents of its arrays); under full
                  remat it first recomputes the block's residuals (one more). The dispatch traced
