@@ -86,7 +86,7 @@ class Plan:
     activations: dict  # {"none": bytes, "full": bytes}: by remat policy
     block: int  # the largest block's residuals (a part of the activations)
     all_to_all: dict  # {"fast"|"worst": {"none"|"full": bytes sent per step}}: buffer, remat
-    cross_host: float  # share of the all-to-all bytes that leave a host
+    cross_host: float  # share of the all-to-all device pairs on two hosts (of bytes: evenly routed)
     device_memory: int  # bytes, 0 = not given
 
     def total(self, remat: str) -> int:
