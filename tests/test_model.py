@@ -288,3 +288,20 @@ def test_overrides_are_parsed_as_yaml():
     assert cfg.dtype == "bfloat16" and cfg.norm_topk_prob is None
     with pytest.raises(ConfigError, match="key=value"):
         load_config("deepseek4-smoke", ["num_experts"])
+
+
+def test_traced_initialiser_draws_the_keys_of_flax_own_stream():
+    """Under tracing init_normal advances the Rngs itself (fast path): the keys and values must be
+    those flax's own `rngs.params()` gives, one after another."""
+    def draw():
+        rngs = nnx.Rngs(3)
+        a = layers.init_normal(rngs, (5,), jnp.float32, 2.0)
+        b = layers.init_normal(rngs, (2, 3), jnp.bfloat16, 1.0)
+        return a, b, jax.random.key_data(rngs.params())
+
+    a, b, after = jax.jit(draw)()
+    rngs = nnx.Rngs(3)
+    keys = [rngs.params() for _ in range(3)]
+    np.testing.assert_array_equal(a, 2.0 * jax.random.normal(keys[0], (5,), jnp.float32))
+    np.testing.assert_array_equal(b, jax.random.normal(keys[1], (2, 3)).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(after, jax.random.key_data(keys[2]))
