@@ -60,3 +60,12 @@ def test_a_missing_run_directory_is_named(tmp_path, capsys, command):
 def test_a_directory_without_config_is_not_a_run(tmp_path, capsys):
     assert cli.main(["eval", str(tmp_path)]) == 2
     assert "is not a run directory: it has no config.yaml" in capsys.readouterr().err
+
+
+def test_convert_names_a_missing_checkpoint_directory(tmp_path, capsys):
+    assert cli.main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint directory {tmp_path}/nowhere does not exist" in err
+    assert not (tmp_path / "out").exists()
+    assert cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert f"{tmp_path}: no config.json" in capsys.readouterr().err

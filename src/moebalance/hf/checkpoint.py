@@ -189,6 +189,9 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 
 def _read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist (expected a "
+                                "directory with config.json and *.safetensors)")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json (a checkpoint directory holds "
                                 "config.json and *.safetensors)")
