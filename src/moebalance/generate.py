@@ -16,7 +16,6 @@ context is padded to one fixed length and compiled once.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -50,14 +49,10 @@ def next_token_probs(logits: np.ndarray, temperature: float, top_p: float) -> np
     return out / out.sum()
 
 
-@functools.cache
-def _last_logits():
-    @nnx.jit
-    def logits_at(model, tokens, index):  # tokens [1, C] -> [V] float32 logits at `index`
-        hidden = model(tokens).hidden[0, index]
-        return model.logits(hidden)
-
-    return logits_at
+@nnx.jit
+def _logits_at(model, tokens, index):
+    """tokens [1, C] -> [V] float32 logits at position `index`."""
+    return model.logits(model(tokens).hidden[0, index])
 
 
 def sample_tokens(model: DeepSeekV4, prompt: list[int], *, max_new_tokens: int, context: int,
@@ -77,7 +72,7 @@ def sample_tokens(model: DeepSeekV4, prompt: list[int], *, max_new_tokens: int, 
         window = ids[-length:]
         tokens = np.zeros((1, length), np.int32)  # positions after the window do not matter
         tokens[0, :len(window)] = window
-        logits = np.asarray(_last_logits()(model, jnp.asarray(tokens), len(window) - 1))
+        logits = np.asarray(_logits_at(model, jnp.asarray(tokens), len(window) - 1))
         token = int(rng.choice(len(logits), p=next_token_probs(logits, temperature, top_p)))
         ids.append(token)
         if token == stop_id:
