@@ -15,6 +15,8 @@ from moebalance.config import ConfigError, load_config
     ("dataset_path=/a,/b/*.jsonl", "dataset_path", ["/a", "/b/*.jsonl"]),
     ("dataset_path=[/a, '/b c']", "dataset_path", ["/a", "/b c"]),
     ("dataset_path=[]", "dataset_path", []),
+    ("dataset_path=['/a,b', /c]", "dataset_path", ["/a,b", "/c"]),  # YAML's quoting holds
+    ("dataset_path=[*.txt, b]", "dataset_path", ["*.txt", "b"]),  # not YAML: items as written
     ("dataset_path=123", "dataset_path", ["123"]),  # a path, not a number
     ("compress_ratios=0,4,4,0", "compress_ratios", [0, 4, 4, 0]),
     ("compress_ratios=[0, 4, 128, 0]", "compress_ratios", [0, 4, 128, 0]),
@@ -33,6 +35,7 @@ def test_overrides_are_read_by_the_key_type(override, key, value):
     ("compress_ratios=a,b", "config key `compress_ratios`: expected a list of int"),
     ("num_experts=1.5", "config key `num_experts`: expected int"),
     ("dataset_glb=*.txt", "unknown config key `dataset_glb`; did you mean dataset_glob"),
+    ("num_experts", "override 'num_experts' must look like key=value"),
 ])
 def test_unreadable_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

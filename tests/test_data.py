@@ -459,6 +459,15 @@ def test_token_files_with_a_held_out_file_and_their_errors(tmp_path):
     np.array([300, 1], np.uint16).tofile(tmp_path / "val.bin")
     with pytest.raises(ValueError, match="token ids >= vocab_size=256"):
         data.TextBatches(cfg, "eval")
+    with pytest.raises(ValueError, match="`tokenizer_path`: .* is not a file"):
+        data.TextBatches(load_config("deepseek4-smoke", dict(
+            dataset_type="tokens", dataset_path=[str(tmp_path)], tokenizer_path="/nope.json")))
+    tokenizer = data.train_tokenizer(["some text"] * 3, 300)  # its <|endoftext|> is id 0, not 1
+    tokenizer.save(str(tmp_path / "tok.json"))
+    with pytest.raises(ValueError, match="<\\|endoftext\\|> is id 0, .* eot_id 1"):
+        data.TextBatches(load_config("deepseek4-smoke", dict(
+            dataset_type="tokens", dataset_path=[str(tmp_path)], vocab_size=512,
+            tokenizer_path=str(tmp_path / "tok.json"))))
     (tmp_path / "meta.json").unlink()
     with pytest.raises(ValueError, match="train.bin has no sidecar"):
         data.TextBatches(cfg, "train")

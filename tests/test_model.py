@@ -281,15 +281,6 @@ def test_bad_config_names_the_key(over, key):
         load_config("deepseek4-smoke", over)
 
 
-def test_overrides_are_parsed_as_yaml():
-    cfg = load_config("deepseek4-smoke", ["num_experts=16", "compress_ratios=[0, 4, 4, 0]",
-                                          "dtype=bfloat16", "norm_topk_prob=null"])
-    assert cfg.num_experts == 16 and cfg.compress_ratios == [0, 4, 4, 0]
-    assert cfg.dtype == "bfloat16" and cfg.norm_topk_prob is None
-    with pytest.raises(ConfigError, match="key=value"):
-        load_config("deepseek4-smoke", ["num_experts"])
-
-
 def test_traced_initialiser_draws_the_keys_of_flax_own_stream():
     """Under tracing init_normal advances the Rngs itself (fast path): the keys and values must be
     those flax's own `rngs.params()` gives, one after another."""

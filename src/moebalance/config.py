@@ -41,7 +41,8 @@ class Config:
     o_groups: int = _key(4, "groups of heads in the grouped low-rank output projection")
     o_lora_rank: int = _key(16, "rank per output group")
     sliding_window_size: int = _key(32, "causal sliding window of every layer (keys incl. self)")
-    compress_ratios: list[int] = _key([0, 0, 4, 0], "per-layer KV compression: 0 none, 4 CSA, 128 HCA")
+    compress_ratios: list[int] = _key([0, 0, 4, 0],
+                                      "per-layer KV compression: 0 none, 4 CSA, 128 HCA")
     rope_max_timescale: float = _key(10000.0, "RoPE theta of uncompressed layers")
     compress_rope_theta: float = _key(160000.0, "RoPE theta of compressed layers")
     rope_factor: float = _key(1.0, "YaRN factor on compressed layers (1 = no YaRN)")
@@ -118,8 +119,8 @@ class Config:
                                    "files for dataset_type tokens); empty: the Python standard "
                                    "library's sources of the running interpreter")
     dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
-    dataset_text_field: str = _key("text", "the field (JSON Lines) or column (Parquet) holding each "
-                                   "record's text")
+    dataset_text_field: str = _key("text", "the field (JSON Lines) or column (Parquet) holding "
+                                   "each record's text")
     tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
     tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= vocab_size)")
     eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation")
@@ -279,6 +280,11 @@ def _field_types() -> dict[str, Any]:
 
 
 def _check_type(key: str, value, hint):
+    if typing.get_origin(hint) is list:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, list) and all(_is_a(v, item) for v in value):
+            return value
+        raise ConfigError(f"config key `{key}`: expected a list of {item.__name__}, got {value!r}")
     allowed = typing.get_args(hint) or (hint,)
     if value is None and type(None) in allowed:
         return value
@@ -289,11 +295,6 @@ def _check_type(key: str, value, hint):
             return float(value)
         except ValueError:
             pass
-    if typing.get_origin(hint) is list:
-        item = typing.get_args(hint)[0]
-        if isinstance(value, list) and all(_is_a(v, item) for v in value):
-            return value
-        raise ConfigError(f"config key `{key}`: expected a list of {item.__name__}, got {value!r}")
     base = [a for a in allowed if a is not type(None)]
     if any(_is_a(value, b) for b in base):
         return value
@@ -315,7 +316,13 @@ def parse_override(key: str, raw: str, hint) -> Any:
         return _unquote(raw)
     if typing.get_origin(hint) is list:
         item = typing.get_args(hint)[0]
-        inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
+        bracketed = raw.startswith("[") and raw.endswith("]")
+        if bracketed:  # YAML's own list, quoted items and all; else its items as written
+            try:
+                return [str(v) if item is str else v for v in yaml.safe_load(raw)]
+            except yaml.YAMLError:
+                pass
+        inner = raw[1:-1] if bracketed else raw
         parts = [_unquote(p.strip()) for p in inner.split(",") if p.strip()]
         return parts if item is str else [_yaml_scalar(key, p) for p in parts]
     return _yaml_scalar(key, raw)

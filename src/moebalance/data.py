@@ -238,7 +238,7 @@ def _fingerprint(docs: list[Document], cfg: Config) -> list:
     return files
 
 
-def _write_atomic(path: Path, write: Callable) -> None:
+def write_atomic(path: Path, write: Callable) -> None:
     """Write `path` through `write(file)` into a temporary file, then rename it into place, so a
     reader (or a concurrent writer) never sees a partial file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,7 +293,7 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
                      cfg.tokenizer_vocab_size, len(train_docs), size)
             trained = train_tokenizer(split_texts(train_docs, "train", cfg),
                                       cfg.tokenizer_vocab_size)
-            _write_atomic(path, lambda f: f.write(trained.to_str().encode()))
+            write_atomic(path, lambda f: f.write(trained.to_str().encode()))
         tokenizer = Tokenizer.from_file(str(path))
     if tokenizer.get_vocab_size() > cfg.vocab_size:
         raise DataError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens but the model's "
@@ -330,10 +330,8 @@ def load_stream(cfg: Config, tokenizer: Tokenizer, directory: Path, docs: list[D
         log.info("encoding the %s split: %d files", split, len(docs))
         stream = encode_documents(tokenizer, split_texts(docs, split, cfg),
                                   tokenizer.token_to_id(EOT))
-        _write_atomic(path, lambda f: np.save(f, stream))
-    stream = np.load(path, mmap_mode="r")
-    _check_ids(stream, split, cfg)
-    return stream
+        write_atomic(path, lambda f: np.save(f, stream))
+    return np.load(path, mmap_mode="r")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,9 +481,12 @@ class TextBatches:
             cfg, num_processes, process_index, global_batch)
         if cfg.dataset_type == "tokens":
             stream, self.eot_id = _token_stream(cfg, split)
-            _check_ids(stream, split, cfg)
-            self.tokenizer = (Tokenizer.from_file(str(Path(cfg.tokenizer_path).expanduser()))
-                              if cfg.tokenizer_path else None)
+            self.tokenizer = load_tokenizer(cfg, [])[0] if cfg.tokenizer_path else None
+            if self.tokenizer and self.tokenizer.token_to_id(EOT) != self.eot_id:
+                raise DataError(f"config key `tokenizer_path`: the tokenizer's {EOT} is id "
+                                f"{self.tokenizer.token_to_id(EOT)}, the token files end their "
+                                f"documents with eot_id {self.eot_id}; give the tokenizer the "
+                                "files were made with")
         else:
             train_docs, eval_docs = split_documents(corpus_documents(cfg), cfg.eval_fraction,
                                                     cfg.seed)
@@ -493,6 +494,7 @@ class TextBatches:
             self.eot_id = self.tokenizer.token_to_id(EOT)
             docs = train_docs if split == "train" else eval_docs
             stream = load_stream(cfg, self.tokenizer, directory, docs, split)
+        _check_ids(stream, split, cfg)
         self._stream = stream
         seq_len = cfg.max_target_length
         self.split, self.tokens_in_split = split, len(stream)

@@ -66,8 +66,9 @@ def _json_lines_records(path: Path, field: str) -> Iterator[tuple[int, str | Non
 
 def _text_of(record, field: str, where: str) -> str | None:
     if not isinstance(record, dict):
+        hint = ARRAY_HINT if isinstance(record, list) else ""
         raise RecordError(f"{where}: a record must be a JSON object with a {field!r} field, got "
-                          f"{type(record).__name__}{ARRAY_HINT if isinstance(record, list) else ''}")
+                          f"{type(record).__name__}{hint}")
     if field not in record:
         raise RecordError(f"{where}: the record has no {field!r} field (it has "
                           f"{', '.join(map(repr, list(record)[:8]))}); set dataset_text_field")

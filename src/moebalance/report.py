@@ -65,7 +65,8 @@ def load_run(path) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"run directory {path} does not exist (expected a directory "
-                                "written by `moebalance train`, or an A/B experiment's run_a/run_b)")
+                                "written by `moebalance train`, or an A/B experiment's "
+                                "run_a/run_b)")
     for file in ("config.yaml", "metrics.jsonl", "probe_counts.json"):
         if not (path / file).is_file():
             raise FileNotFoundError(f"{path / file} is missing: is {path} a finished run?")

@@ -264,7 +264,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
         if train_data.tokenizer is not None:
-            (out / "tokenizer.json").write_text(train_data.tokenizer.to_str())
+            data.write_atomic(out / "tokenizer.json",
+                              lambda f: f.write(train_data.tokenizer.to_str().encode()))
     model, optimizer = build(cfg, mesh, train_data)
     checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
     first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
