@@ -116,16 +116,6 @@ def test_save_writes_what_transformers_writes(tiny12_saved):
     _assert_same_model(model, model2)
 
 
-def test_transformers_loaded_our_output():
-    """What tools/make_hf_fixture.py measured: transformers' from_pretrained on hf.save's output
-    (the fixtures written back, and a model of ours with an MTP layer) gives the same logits."""
-    parity = json.loads((FIXTURES / "parity.json").read_text())
-    for name in MODELS:
-        assert parity[name]["moebalance_save_in_transformers"]["max_rel"] <= 1e-5
-    assert parity["moebalance-smoke-mtp"]["max_rel"] <= 1e-5
-    assert parity["moebalance-smoke-mtp"]["mtp_tensors_ignored"] > 0
-
-
 def test_save_pretrained_names_are_deepseeks():
     """transformers' save_pretrained names are DeepSeek's release names under `model.` with the
     exceptions below (written out by hand): an independent check of our DeepSeek names."""

@@ -160,7 +160,9 @@ def check_in_transformers(saved: Path, ids: np.ndarray, want: np.ndarray) -> dic
     assert not problems, f"from_pretrained({saved}): {problems}"
     mtp = [n for n in safe_open(str(saved / "model.safetensors"), "np").keys()
            if n.startswith("mtp.")]  # our MTP layer, which from_pretrained ignores
-    return {**_difference(_logits(model.eval(), ids), want), "mtp_tensors_ignored": len(mtp)}
+    result = {**_difference(_logits(model.eval(), ids), want), "mtp_tensors_ignored": len(mtp)}
+    assert result["max_rel"] <= 1e-5, f"transformers' logits of {saved} differ: {result}"
+    return result
 
 
 # --- the moebalance side (run in the project's venv) ------------------------------------------
@@ -207,6 +209,7 @@ def main() -> int:
                 work / name, expected["input_ids"], expected["logits"])
         parity["moebalance-smoke-mtp"] = check_in_transformers(
             work / "ours", np.load(work / "ours_ids.npy"), np.load(work / "ours_logits.npy"))
+        assert parity["moebalance-smoke-mtp"]["mtp_tensors_ignored"] > 0, "our MTP was not saved"
     import torch
     import transformers
 
