@@ -144,7 +144,7 @@ def _values(hf: dict) -> dict:
     if "swiglu_limit" in hf:  # transformers always clamps: "off" is written as Infinity
         values["swiglu_limit"] = 0.0 if math.isinf(hf["swiglu_limit"]) else hf["swiglu_limit"]
     values.update(_layers(hf), **_rope(hf))
-    defaults = _defaults()  # a context shorter than our default training length bounds it
+    defaults = dataclasses.asdict(Config())  # a context shorter than our default training length bounds it
     longest = (values.get("original_max_position_embeddings",
                           defaults["original_max_position_embeddings"])
                * values.get("rope_factor", defaults["rope_factor"]))
@@ -200,12 +200,7 @@ def config_to_hf(cfg: Config) -> dict:
                         **{key: getattr(cfg, ours) for key, ours in _YARN.items()})
         out["max_position_embeddings"] = int(cfg.original_max_position_embeddings
                                              * cfg.rope_factor)
-    implied = {**_defaults(), **_values(out)}
+    implied = {**dataclasses.asdict(Config()), **_values(out)}
     out["moebalance_config"] = {key: value for key, value in dataclasses.asdict(cfg).items()
                                 if implied[key] != value}
     return out
-
-
-def _defaults() -> dict:
-    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            for f in dataclasses.fields(Config)}
