@@ -88,6 +88,8 @@ def main():
     parser.add_argument("--config", default="deepseek4-tiny")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--top", type=int, default=0,
+                        help="also print the N slowest XLA operations with their scopes")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
 
@@ -124,7 +126,7 @@ def main():
     trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     for folder in (dump, trace_dir):
         shutil.rmtree(folder)
-    ms, gflop = collections.Counter(), collections.Counter()
+    ms, gflop, per_op = collections.Counter(), collections.Counter(), collections.Counter()
     for event in trace["traceEvents"]:
         if event.get("ph") != "X" or event["name"] not in ops:
             continue
@@ -133,6 +135,7 @@ def main():
             continue
         key = (component(op_name), "backward" if "transpose(" in op_name else "forward")
         ms[key] += event["dur"] / 1e3
+        per_op[(event["name"], opcode, op_name)] += event["dur"] / 1e3
         gflop[key] += flops[event["name"]] / 1e9
     gemm = dense_gemm_gflops()
     rows = [{"component": c, "pass": p, "ms": round(t, 1),
@@ -145,6 +148,8 @@ def main():
         rate = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
         print(f"{r['component']:<14}{r['pass']:<10}{r['ms']:>8.1f}{r['share']:>8.1%}{rate:>9}",
               file=sys.stderr)
+    for (name, opcode, op_name), t in per_op.most_common(args.top):
+        print(f"{t:8.1f} ms  {opcode:<14}{name:<28}{op_name[-110:]}", file=sys.stderr)
     total_gflop = sum(gflop.values())
     print(json.dumps({
         "config": args.config, "layers": cfg.base_num_decoder_layers, "dtype": cfg.dtype,
