@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 from moebalance import runtime
 
 
@@ -20,3 +24,27 @@ def test_glibc_version_is_read(monkeypatch):
     assert not runtime._glibc_supports_hugetlb()
     monkeypatch.setattr(runtime.os, "confstr", lambda name: "glibc 2.36")
     assert runtime._glibc_supports_hugetlb()
+
+
+def test_compilation_cache_dir_rules():
+    home = os.path.expanduser("~")
+    assert runtime.compilation_cache_dir({}) == f"{home}/.cache/moebalance/xla"
+    assert runtime.compilation_cache_dir({"MOEBALANCE_CACHE_DIR": "~/c"}) == f"{home}/c"
+    assert runtime.compilation_cache_dir({"MOEBALANCE_CACHE_DIR": ""}) is None  # off
+    assert runtime.compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/j"}) is None  # JAX's
+
+
+def test_a_second_process_loads_the_compiled_program_from_the_cache(tmp_path):
+    script = (
+        "import jax, jax.numpy as jnp\n"
+        "from moebalance import runtime\n"
+        f"assert runtime.enable_compilation_cache({{'MOEBALANCE_CACHE_DIR': '{tmp_path}'}})\n"
+        "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+        "print(jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((8, 8))).sum())\n")
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                           text=True, check=True) for _ in range(2)]
+    assert runs[0].stdout == runs[1].stdout
+    assert any(tmp_path.iterdir())
+    assert "cache hit" not in runs[0].stderr and "cache hit" in runs[1].stderr

@@ -331,10 +331,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The installed `moebalance` command: main() in a process with huge-page malloc (runtime)."""
-    from moebalance.runtime import reexec_with_hugepage_malloc
+    """The installed `moebalance` command: main() in a process with huge-page malloc and the
+    compilation cache on (runtime)."""
+    from moebalance.runtime import enable_compilation_cache, reexec_with_hugepage_malloc
 
     reexec_with_hugepage_malloc()
+    enable_compilation_cache()
     sys.exit(main())
 
 

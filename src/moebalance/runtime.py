@@ -1,4 +1,4 @@
-"""Process set-up that has to happen before the process allocates: glibc's huge-page malloc.
+"""Process set-up for the `moebalance` command: glibc's huge-page malloc, the compilation cache.
 
 XLA's CPU runtime allocates every step's temporary buffers afresh (gigabytes for a training step),
 and glibc serves blocks that large with new mmaps, so each step page-faults its whole working set
@@ -6,14 +6,23 @@ in 4 KiB pages: measured on deepseek4-tiny (8 x 256 tokens), 810k faults and 1.9
 per 4.2 s step. `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (glibc >= 2.35) backs those mappings with
 transparent huge pages: 13k faults, 0.3 s, the step 3.3 s. glibc reads tunables only when a
 process starts, so the command line re-executes itself once with the tunable set.
+
+Compiled programs are kept on disk (JAX's persistent compilation cache) so that a later run of the
+same program skips XLA's compilation: measured on deepseek4-tiny's training step, 21 s of XLA
+compilation become 1.8 s of loading (tracing, ~5 s, still runs). Where: $MOEBALANCE_CACHE_DIR
+(default ~/.cache/moebalance/xla; set it empty to turn the cache off), unless JAX's own
+$JAX_COMPILATION_CACHE_DIR is set. JAX keys each entry by the program, the XLA flags, the JAX
+version and the device, so a changed program or flag compiles afresh.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
+CACHE_ENV = "MOEBALANCE_CACHE_DIR"
 
 
 def _glibc_supports_hugetlb() -> bool:
@@ -42,3 +51,22 @@ def reexec_with_hugepage_malloc() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def compilation_cache_dir(environ=os.environ) -> str | None:
+    """The directory the command keeps compiled programs in, or None (off, or JAX's own setting
+    applies)."""
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    path = environ.get(CACHE_ENV, str(Path("~") / ".cache" / "moebalance" / "xla"))
+    return os.path.expanduser(path) if path else None
+
+
+def enable_compilation_cache(environ=os.environ) -> str | None:
+    """Turn on JAX's persistent compilation cache at compilation_cache_dir(); returns the path."""
+    path = compilation_cache_dir(environ)
+    if path is not None:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path
