@@ -3,8 +3,8 @@
 One step = the trainer's jitted step (forward, losses, backward, AdamW, bias update) on the
 config's data (text for deepseek4-tiny; the tokenizer is built once and cached). Prints one JSON
 line per dtype: model and data init time, compile time (first call), mean step time over the next
-`--steps` calls, tokens/s, the bytes of the parameters and optimizer state, and the process's peak
-resident memory (ru_maxrss, compilation included).
+`--steps` calls and the CPU seconds they took (all threads), tokens/s, the bytes of the parameters
+and optimizer state, and the process's peak resident memory (ru_maxrss, compilation included).
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
                                     [--steps 5] [--dtypes float32,bfloat16] [key=value ...]
@@ -29,15 +29,18 @@ from moebalance.training.step import make_train_step
 
 
 def time_step(step, model, optimizer, inputs, steps):
-    """-> (first call's seconds (compile + run), mean seconds of the next `steps`, last metrics)."""
+    """-> (first call's seconds (compile + run), mean seconds of the next `steps`, their mean CPU
+    seconds (all threads: the work done, which a busy or shared machine does not inflate the way
+    it does wall time), last metrics)."""
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, *inputs))
     compile_s = time.perf_counter() - start
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         metrics = step(model, optimizer, *inputs)
     jax.block_until_ready(metrics)
-    return compile_s, (time.perf_counter() - start) / steps, metrics
+    return (compile_s, (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps,
+            metrics)
 
 
 def bench(config, overrides, batch, seq, steps, dtype):
@@ -49,12 +52,12 @@ def bench(config, overrides, batch, seq, steps, dtype):
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
     step = make_train_step(cfg, model, mesh)
-    compile_s, step_s, metrics = time_step(step, model, optimizer,
+    compile_s, step_s, cpu_s, metrics = time_step(step, model, optimizer,
                                            sharding.global_batch(mesh, *data.batch(0)), steps)
     return {
         "config": config, "layers": cfg.base_num_decoder_layers, "dtype": dtype,
         "batch": batch, "seq": seq, "init_s": round(init_s, 2),
-        "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
+        "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "step_cpu_s": round(cpu_s, 3),
         "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(metrics["loss"]), 4),
         "state_gb": round(sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
                           / 2**30, 3),

@@ -16,13 +16,9 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from moebalance.config import load_config
-from moebalance.model.transformer import routed_layers
 from moebalance.training import plan
-from moebalance.training.step import losses
 
 CONFIGS = ["", "max_target_length=256 per_device_batch_size=4",
            "max_target_length=256 per_device_batch_size=2 base_emb_dim=128 num_experts=16 "
@@ -31,19 +27,8 @@ CONFIGS = ["", "max_target_length=256 per_device_batch_size=4",
 
 def xla_temp_bytes(cfg) -> int:
     """XLA's temporary bytes for d loss / d params of one micro-batch on one device."""
-    model = plan.abstract_model(cfg)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    routed = routed_layers(model)
-    b, s = cfg.per_device_batch_size, cfg.max_target_length
-    batch = (jax.ShapeDtypeStruct((b, s + 1), jnp.int32), jax.ShapeDtypeStruct((b, s), bool),
-             jax.ShapeDtypeStruct((b, s), jnp.int32))
-
-    def loss(params, rest, tokens, mask, segment_ids):
-        return losses(cfg, nnx.merge(graphdef, params, rest), tokens, mask, segment_ids,
-                      routed)[0]
-
-    compiled = jax.jit(jax.grad(loss)).lower(params, rest, *batch).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    loss, inputs = plan.loss_and_inputs(cfg, plan.abstract_model(cfg), cfg.per_device_batch_size)
+    return jax.jit(jax.grad(loss)).lower(*inputs).compile().memory_analysis().temp_size_in_bytes
 
 
 def main(configs: list[str]) -> None:

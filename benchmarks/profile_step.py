@@ -115,7 +115,7 @@ def main():
     model, optimizer = build(cfg, mesh, data)
     step = make_train_step(cfg, model, mesh)
     inputs = sharding.global_batch(mesh, *data.batch(0))
-    compile_s, step_s, _ = time_step(step, model, optimizer, inputs, 2)
+    compile_s, step_s, _, _ = time_step(step, model, optimizer, inputs, 2)
     trace_dir = tempfile.mkdtemp(prefix="moebalance-trace-")
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     jax.block_until_ready(step(model, optimizer, *inputs))

@@ -60,16 +60,27 @@ class Run:
     refit: np.ndarray | None = None  # [L, E] final probe counts with refitted biases, if measured
 
 
-def load_run(path) -> Run:
-    """Read a run directory; a missing file or an inconsistent probe raises with the reason."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"run directory {path} does not exist (expected a directory "
+def run_files(run_dir, *names: str) -> Path:
+    """Check that `run_dir` is a run directory holding `names` (config.yaml first); a missing
+    directory or file raises FileNotFoundError naming it and what was expected there."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist (expected a directory "
                                 "written by `moebalance train`, or an A/B experiment's "
                                 "run_a/run_b)")
-    for file in ("config.yaml", "metrics.jsonl", "probe_counts.json"):
-        if not (path / file).is_file():
-            raise FileNotFoundError(f"{path / file} is missing: is {path} a finished run?")
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (the "
+                                "trainer writes one into every run; for an A/B experiment give "
+                                "its run_a or run_b)")
+    for name in names:
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{run_dir / name} is missing: is {run_dir} a finished run?")
+    return run_dir
+
+
+def load_run(path) -> Run:
+    """Read a run directory; a missing file or an inconsistent probe raises with the reason."""
+    path = run_files(path, "metrics.jsonl", "probe_counts.json")
     config = yaml.safe_load((path / "config.yaml").read_text()) or {}
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
                if line.strip()]

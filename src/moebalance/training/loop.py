@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from moebalance import balancing, data
+from moebalance import balancing, data, report
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
@@ -77,16 +77,7 @@ def prepare_run_dir(out: Path, overwrite: bool) -> None:
 def read_run_config(run_dir: Path) -> Config:
     """The config a run directory was trained with; a missing directory or config.yaml raises,
     naming the path and what was expected there."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist (expected a directory "
-                                "written by `moebalance train` or `moebalance ab`/run_a|run_b)")
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (the "
-                                "trainer writes one into every run; for an A/B experiment give "
-                                "its run_a or run_b)")
-    return Config(**yaml.safe_load(path.read_text()))
+    return Config(**yaml.safe_load((report.run_files(run_dir) / "config.yaml").read_text()))
 
 
 def rewind_logs(out: Path, step: int, cfg: Config) -> None:

@@ -169,19 +169,26 @@ def global_rows(cfg: Config, mesh: AbstractMesh) -> int:
     return cfg.per_device_batch_size * mesh.size
 
 
-def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
-    """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps."""
+def loss_and_inputs(cfg: Config, model: DeepSeekV4, rows: int):
+    """-> (loss of one micro-batch as a function of (params, rest, tokens, mask, segment_ids),
+    those inputs as shapes for `rows` sequences)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     routed = routed_layers(model)
-    b, s = global_rows(cfg, mesh), cfg.max_target_length
-    batch = (jax.ShapeDtypeStruct((b, s + 1), jnp.int32), jax.ShapeDtypeStruct((b, s), bool),
-             jax.ShapeDtypeStruct((b, s), jnp.int32))
+    s = cfg.max_target_length
+    batch = (jax.ShapeDtypeStruct((rows, s + 1), jnp.int32),
+             jax.ShapeDtypeStruct((rows, s), bool), jax.ShapeDtypeStruct((rows, s), jnp.int32))
 
     def loss(params, rest, tokens, mask, segment_ids):
         return losses(cfg, nnx.merge(graphdef, params, rest), tokens, mask, segment_ids,
                       routed)[0]
 
-    return residual_bytes(loss, (params, rest, *batch), {2, 3, 4}, mesh)
+    return loss, (params, rest, *batch)
+
+
+def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
+    """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps."""
+    loss, inputs = loss_and_inputs(cfg, model, global_rows(cfg, mesh))
+    return residual_bytes(loss, inputs, {2, 3, 4}, mesh)
 
 
 def abstract_blocks(cfg: Config) -> list[Block]:
