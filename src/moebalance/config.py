@@ -81,7 +81,7 @@ class Config:
     dtype: str = _key("float32", "activation dtype (router, bias, hyper-connections stay fp32)")
     weight_dtype: str = _key("float32", "parameter dtype")
     scan_layers: bool = _key(True, "run repeated blocks under a scan (fast compile)")
-    remat_policy: str = _key("full", "rematerialise blocks in the backward pass: none | full")
+    remat_policy: str = _key("none", "rematerialise blocks in the backward pass: none | full")
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")

@@ -16,9 +16,8 @@ lightning indexer keeps the `index_topk` best of those entries per query; on oth
 r = 128) all visible entries are attended.
 
 Cost: the window is computed in chunks of W queries against their own and the previous chunk
-([S, 2W] logits, not [S, S]); CSA layers gather the indexer's top-k entries per query ([S, k]),
-or mask the others out of all S/4 when that is at most 4k; HCA layers attend their S/r entries
-densely ([S, S/r]). Only the indexer scores all [S, S/4]
+([S, 2W] logits, not [S, S]); CSA layers gather the indexer's top-k entries per query ([S, k]);
+HCA layers attend their S/r entries densely ([S, S/r]). Only the indexer scores all [S, S/4]
 entries (as in DeepSeek's design). Long-context kernels are future work.
 """
 
@@ -109,33 +108,6 @@ def _window_part(q, kv, segment_ids, window: int, scale: float):
         return jnp.einsum("bcqhk,bckd->bcqhd", p, keys).reshape(b, -1, h, kv.shape[-1])[:, :s]
 
     return logits, combine
-
-
-# CSA attends the indexer's k chosen entries of n: as a mask over all n when n <= this * k (dense
-# matmuls; the gathered form runs per-query [k, hd] products and its gradient is a scatter-add,
-# both slow on CPU), gathered beyond (long contexts, where n / k grows).
-DENSE_SELECTION_MAX_RATIO = 4
-
-
-def selection_mask(top: jax.Array, valid: jax.Array, num_entries: int) -> jax.Array:
-    """top, valid [B, S, k] -> [B, S, n] bool: entry i is one of the query's valid choices."""
-    chosen = (top[..., None] == jnp.arange(num_entries)) & valid[..., None]  # [B, S, k, n]
-    return chosen.any(axis=2)
-
-
-def _all_entries(q, ckv, allowed, scale):
-    """q [B, S, H, hd], ckv [B, n, hd], allowed [B, S, n] -> (logits [B, H, S, n], combine)."""
-    logits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
-    return (jnp.where(allowed[:, None], logits, NEG_INF),
-            lambda p: jnp.einsum("bhsn,bnd->bshd", p, ckv))
-
-
-def _gathered_entries(q, ckv, top, valid, scale):
-    """The chosen entries only: top, valid [B, S, k] -> (logits [B, H, S, k], combine)."""
-    entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
-    logits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
-    return (jnp.where(valid[:, None], logits, NEG_INF),
-            lambda p: jnp.einsum("bhsk,bskd->bshd", p, entries))
 
 
 class Compressor(nnx.Module):
@@ -255,16 +227,16 @@ class Attention(nnx.Module):
                 n = ckv.shape[1]
                 visible = visible_entries(s, n, c.ratio)[None] & (
                     segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
-                if self.indexer is None:  # HCA: every visible entry
-                    part = _all_entries(q, ckv, visible, scale)
-                else:  # CSA: the indexer's top-k entries
+                if self.indexer is not None:  # CSA: the indexer's top-k entries, gathered
                     top, valid = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, k]
-                    if n > DENSE_SELECTION_MAX_RATIO * top.shape[-1]:
-                        part = _gathered_entries(q, ckv, top, valid, scale)
-                    else:
-                        part = _all_entries(q, ckv, selection_mask(top, valid, n), scale)
-                logits.append(part[0])
-                values.append(part[1])
+                    entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
+                    clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+                    logits.append(jnp.where(valid[:, None], clogits, NEG_INF))
+                    values.append(lambda p, e=entries: jnp.einsum("bhsk,bskd->bshd", p, e))
+                else:  # HCA: every visible entry
+                    clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
+                    logits.append(jnp.where(visible[:, None], clogits, NEG_INF))
+                    values.append(lambda p, e=ckv: jnp.einsum("bhsn,bnd->bshd", p, e))
         sink = jnp.broadcast_to(self.attn_sink[...][None, :, None, None], (b, c.heads, s, 1))
         probs = jax.nn.softmax(jnp.concatenate([*logits, sink], axis=-1), axis=-1)
         widths = np.cumsum([part.shape[-1] for part in logits])[:-1]
