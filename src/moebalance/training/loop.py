@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from moebalance import balancing, data, report
+from moebalance import balancing, data
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
@@ -77,7 +77,9 @@ def prepare_run_dir(out: Path, overwrite: bool) -> None:
 def read_run_config(run_dir: Path) -> Config:
     """The config a run directory was trained with; a missing directory or config.yaml raises,
     naming the path and what was expected there."""
-    return Config(**yaml.safe_load((report.run_files(run_dir) / "config.yaml").read_text()))
+    from moebalance.report import run_files  # here: report imports matplotlib, training need not
+
+    return Config(**yaml.safe_load((run_files(run_dir) / "config.yaml").read_text()))
 
 
 def rewind_logs(out: Path, step: int, cfg: Config) -> None:
