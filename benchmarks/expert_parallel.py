@@ -57,7 +57,7 @@ def layout(name, config, overrides, batch, seq, steps):
     cfg, mesh, data, model, optimizer = setup(config, [*overrides, *LAYOUTS[name]], batch, seq)
     step = make_train_step(cfg, model, mesh)
     compile_s, step_s, _, _ = time_step(step, model, optimizer,
-                                     sharding.global_batch(mesh, *data.batch(0)), steps)
+                                        sharding.global_batch(mesh, *data.batch(0)), steps)
     return {"bench": "layout", "layout": name, "mesh": dict(mesh.shape), "batch": batch,
             "seq": seq, "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
             "tokens_per_s": round(batch * seq / step_s, 1)}

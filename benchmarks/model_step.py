@@ -53,7 +53,7 @@ def bench(config, overrides, batch, seq, steps, dtype):
     init_s = time.perf_counter() - start
     step = make_train_step(cfg, model, mesh)
     compile_s, step_s, cpu_s, metrics = time_step(step, model, optimizer,
-                                           sharding.global_batch(mesh, *data.batch(0)), steps)
+                                                  sharding.global_batch(mesh, *data.batch(0)), steps)
     return {
         "config": config, "layers": cfg.base_num_decoder_layers, "dtype": dtype,
         "batch": batch, "seq": seq, "init_s": round(init_s, 2),

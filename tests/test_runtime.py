@@ -32,6 +32,7 @@ def test_compilation_cache_dir_rules():
     assert runtime.compilation_cache_dir({"MOEBALANCE_CACHE_DIR": "~/c"}) == f"{home}/c"
     assert runtime.compilation_cache_dir({"MOEBALANCE_CACHE_DIR": ""}) is None  # off
     assert runtime.compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/j"}) is None  # JAX's
+    assert runtime.compilation_cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/moebalance/xla"
 
 
 def test_a_second_process_loads_the_compiled_program_from_the_cache(tmp_path):

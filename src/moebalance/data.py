@@ -47,6 +47,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moebalance.config import Config
 from moebalance.records import is_record_file, read_records
+from moebalance.runtime import user_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -219,8 +220,7 @@ def cache_root(cfg: Config) -> Path:
     """`data_cache_dir`, else $XDG_CACHE_HOME/moebalance, else ~/.cache/moebalance."""
     if cfg.data_cache_dir:
         return Path(cfg.data_cache_dir).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "moebalance"
+    return user_cache_root()
 
 
 def _digest(value) -> str:

@@ -10,7 +10,8 @@ process starts, so the command line re-executes itself once with the tunable set
 Compiled programs are kept on disk (JAX's persistent compilation cache) so that a later run of the
 same program skips XLA's compilation: measured on deepseek4-tiny's training step, 21 s of XLA
 compilation become 1.8 s of loading (tracing, ~5 s, still runs). Where: $MOEBALANCE_CACHE_DIR
-(default ~/.cache/moebalance/xla; set it empty to turn the cache off), unless JAX's own
+(default user_cache_root()/xla, i.e. ~/.cache/moebalance/xla; set it empty to turn the cache
+off), unless JAX's own
 $JAX_COMPILATION_CACHE_DIR is set. JAX keys each entry by the program, the XLA flags, the JAX
 version and the device, so a changed program or flag compiles afresh.
 """
@@ -53,12 +54,19 @@ def reexec_with_hugepage_malloc() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def user_cache_root(environ=os.environ) -> Path:
+    """moebalance's default cache directory: $XDG_CACHE_HOME/moebalance, else
+    ~/.cache/moebalance (tokenizers and token streams, compiled programs)."""
+    xdg = environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moebalance"
+
+
 def compilation_cache_dir(environ=os.environ) -> str | None:
     """The directory the command keeps compiled programs in, or None (off, or JAX's own setting
     applies)."""
     if environ.get("JAX_COMPILATION_CACHE_DIR"):
         return None
-    path = environ.get(CACHE_ENV, str(Path("~") / ".cache" / "moebalance" / "xla"))
+    path = environ.get(CACHE_ENV, str(user_cache_root(environ) / "xla"))
     return os.path.expanduser(path) if path else None
 
 
