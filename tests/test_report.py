@@ -230,6 +230,33 @@ def test_compare_report_three_runs(tmp_path):
         assert (out / name).is_file()
 
 
+def test_calibrated_runs_show_the_online_bias_variance(tmp_path):
+    """A run that calibrated its biases also stored the probe under the online rule's bias:
+    the A/B table puts its variance beside Run B's; a comparison shows it for every run (the final
+    variance for runs that did not calibrate)."""
+    online = [HASH, [8, 0, 0, 0], [4, 0, 2, 2]]  # variances 12 and 2, summed 14
+    run_a = write_run(tmp_path / "a", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
+    run_b = write_run(tmp_path / "b", STEP0, FINAL_B, ROUTING, tokens=4, k=2)
+    probe = json.loads((run_b / "probe_counts.json").read_text())
+    probe["online"] = {"20": online}
+    (run_b / "probe_counts.json").write_text(json.dumps(probe))
+    np.testing.assert_array_equal(report.load_run(run_b).online, online)
+    table = report.ab_report(run_a, run_b, tmp_path / "ab", console=quiet_console())
+    assert [r["var_online_b"] for r in table["rows"]] == [12.0, 12.0, 2.0]
+    assert table["total"]["var_online_b"] == 14.0 and table["total"]["var_b"] == 2.5
+    markdown = (tmp_path / "ab" / "table.md").read_text()
+    assert "| Online Var (Run B) |" in markdown and "Online Var: " in markdown
+    assert "| TOTAL/AVG | Top-K only | 14.00 | 14.00 | 2.50 | 82.14% | 2.00 | 14.00 |" in markdown
+    table = report.compare_report([run_a, run_b], tmp_path / "cmp", console=quiet_console())
+    assert table["total"]["var_online"] == {"a": 14.0, "b": 14.0}
+    assert table["total"]["var"] == {"a": 14.0, "b": 2.5}
+    # the online bias's counts must be counts of the probe
+    probe["online"] = {"20": [HASH, [8, 0, 0, 0], [4, 0, 2, 1]]}
+    (run_b / "probe_counts.json").write_text(json.dumps(probe))
+    with pytest.raises(ValueError, match="online-bias step 20.*tokens \\* K"):
+        report.load_run(run_b)
+
+
 def test_compare_report_with_different_probes_shows_each_step0(tmp_path):
     paths = [write_run(tmp_path / "x", STEP0, FINAL_A, ROUTING, tokens=4, k=2),
              write_run(tmp_path / "y", FINAL_B, FINAL_B, ROUTING, tokens=4, k=2)]

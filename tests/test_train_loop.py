@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from moebalance import cli, generate
-from moebalance.config import load_config
+from moebalance.config import ConfigError, load_config
 from moebalance.data import batches
 from moebalance.metrics import STAT_NAMES, load_stats
 from moebalance.model.transformer import DeepSeekV4
@@ -181,7 +181,6 @@ def test_text_run_packs_documents_writes_tensorboard_evaluates_and_generates(tmp
 def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
     from test_data import text_config, write_corpus
 
-    from moebalance.config import ConfigError
     from moebalance.data import DataError
 
     root = tmp_path / "corpus"
@@ -198,6 +197,33 @@ def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
     with pytest.raises(ConfigError, match="max_target_length"):
         load_config("deepseek4-smoke", {"max_target_length": 10**6})
     assert not (tmp_path / "run").exists()
+
+
+def test_calibration_refits_the_final_biases_on_the_last_training_batches(tmp_path):
+    """Two runs equal but for the calibration: the calibrated run saves the biases that
+    refit_biases fits at the final weights on its last training batches (all 3 when asked for 5),
+    and its probe keeps the online bias's counts, which are the other run's final counts."""
+    from moebalance.model.transformer import get_biases
+    from moebalance.training import sharding
+    from moebalance.training.loop import build, refit_biases
+
+    online_cfg = load_config("deepseek4-smoke", SMALL)
+    calibrated_cfg = load_config("deepseek4-smoke", {**SMALL, "routed_bias_calibration_batches": 5})
+    train(online_cfg, tmp_path / "online", progress=False)
+    train(calibrated_cfg, tmp_path / "calibrated", progress=False)
+    mesh = sharding.make_mesh(online_cfg)
+    source = batches(online_cfg)
+    model, optimizer = build(online_cfg, mesh, source)
+    checkpoint.restore_latest(tmp_path / "online", model, optimizer)
+    expected = refit_biases(online_cfg, model, mesh, source, first=0, batches=3, iterations=1)
+    checkpoint.restore_latest(tmp_path / "calibrated", model, optimizer)
+    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(expected))
+    online, calibrated = (json.loads((tmp_path / run / "probe_counts.json").read_text())
+                          for run in ("online", "calibrated"))
+    assert "online" not in online
+    assert calibrated["online"]["3"] == online["counts"]["3"] != calibrated["counts"]["3"]
+    with pytest.raises(ConfigError, match="routed_bias_calibration_batches.*>= 0"):
+        load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
 
 
 def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():

@@ -93,6 +93,11 @@ class Config:
     routed_bias_update_rate_final_fraction: float = _key(
         1.0, "the bias rate follows a cosine from its value to value * this at the last step "
         "(1: constant)")
+    routed_bias_calibration_batches: int = _key(
+        0, "after the last step, refit every top-k bias at the final weights on the last N "
+        "training batches (undamped Quantile Balancing on all their tokens) and keep it: the "
+        "saved bias balances the data the run saw as the final weights route it (0: keep the "
+        "online bias; runs without routed_bias skip it)")
     probe_refit_batches: int = _key(8, "after the last step, also measure the probe with every "
                                     "top-k bias refitted to balance this many fresh training "
                                     "batches: what a perfectly estimated bias reaches (0 = off; "
@@ -225,6 +230,9 @@ def validate(c: Config) -> None:
              "routed_bias_update_rate_final_fraction",
              f"must be in [0, 1] (1: a constant rate), got "
              f"{c.routed_bias_update_rate_final_fraction}")
+    _require(c.routed_bias_calibration_batches >= 0, "routed_bias_calibration_batches",
+             f"must be >= 0 (0 turns the calibration off), got "
+             f"{c.routed_bias_calibration_batches}")
     _require(c.probe_refit_batches >= 0, "probe_refit_batches",
              f"must be >= 0 (0 turns the refit off), got {c.probe_refit_batches}")
     for key in ("load_balance_loss_weight",

@@ -7,7 +7,9 @@ A run directory (written by the trainer) holds:
                          after the last step: {"tokens": N, "routing": [kind per layer],
                          "counts": {"0": [L][E] ints, "<N>": [L][E] ints}}, and optionally
                          "refit": {"<N>": [L][E] ints}, the last step's probe with the top-k
-                         biases refitted to fresh training batches (the best a bias does here)
+                         biases refitted to fresh training batches (the best a bias does here),
+                         and "online": {"<N>": [L][E] ints} when the run calibrated its biases
+                         after the last step: the probe with the bias the online rule left
 
 `ab_report` reproduces the table of SEED_EXPERIMENT.md (same columns, same definitions: population
 variance of per-expert assignment counts, improvement (Var_A - Var_B) / Var_A, a TOTAL row over the
@@ -41,6 +43,9 @@ REPORT_FILES = ("table.md", "table.json", *PLOTS, "report.html")
 REFIT_NOTE = ("Refit Var: the probe's variance after the last step with every top-K bias refitted to "
               "balance fresh training batches - what a perfectly estimated bias reaches on this "
               "probe; above the floor when the probe's tokens are not independent draws.")
+ONLINE_NOTE = ("Online Var: the probe's variance with the bias the online rule left after the last "
+               "step, before the run calibrated it on its last training batches at the final "
+               "weights (routed_bias_calibration_batches).")
 HEATMAP_MAX = 2.0  # heatmap colour scale: load / mean in [0, 2]; busier experts saturate
 
 
@@ -58,6 +63,7 @@ class Run:
     tokens: int  # routed tokens of the probe batch
     ranks: int = 1  # expert-parallel ranks the run trained on (1: no expert parallelism)
     refit: np.ndarray | None = None  # [L, E] final probe counts with refitted biases, if measured
+    online: np.ndarray | None = None  # [L, E] final probe counts before the calibration, if any
 
 
 def run_files(run_dir, *names: str) -> Path:
@@ -98,9 +104,12 @@ def load_run(path) -> Run:
     if unknown:
         raise ValueError(f"{path}: unknown routing kinds {unknown} (expected 'hash' or 'topk')")
     refit = probe.get("refit", {}).get(str(final_step))
+    online = probe.get("online", {}).get(str(final_step))
     checked = {f"step {step}": counts[step] for step in (0, final_step)}
     if refit is not None:
         refit = checked[f"refitted step {final_step}"] = np.asarray(refit, np.int64)
+    if online is not None:
+        online = checked[f"online-bias step {final_step}"] = np.asarray(online, np.int64)
     for what, c in checked.items():
         if c.shape != shape:
             raise ValueError(f"{path}: probe counts of {what} have shape {c.shape}, expected "
@@ -111,7 +120,7 @@ def load_run(path) -> Run:
     ranks = len(metrics[-1]["layers"][0].get("rank_load", [0]))
     return Run(name=path.resolve().name, config=config, metrics=metrics, step0=counts[0],
                final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens,
-               ranks=ranks, refit=refit)
+               ranks=ranks, refit=refit, online=online)
 
 
 def _variance(counts) -> np.ndarray:
@@ -132,13 +141,14 @@ def _improvement(var_a: float, var_b: float) -> float:
 
 
 def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
-                ranks: int = 1, refit_b=None) -> dict:
+                ranks: int = 1, refit_b=None, online_b=None) -> dict:
     """The seed's per-layer table from [L, E] counts: {"rows": [...], "total": {...}}.
 
     Rows: var_step0 / var_a / var_b (population variance of the counts), improvement
     (var_a - var_b) / var_a, floor (the sampling floor of num_tokens tokens), maxvio_a / maxvio_b;
     with ranks > 1 (expert parallelism) also rank_imbalance_a / _b, the busiest rank's load over
-    the mean; with `refit_b` (Run B's final probe counts under refitted biases) also var_refit_b.
+    the mean; with `refit_b` (Run B's final probe counts under refitted biases) also var_refit_b;
+    with `online_b` (Run B's final probe counts before its calibration) also var_online_b.
     Total (layer 'TOTAL/AVG'), over the top-K layers only: summed variances and floors,
     improvement as the ratio of the sums (the seed's 47.90%), mean MaxVio (and rank imbalance), and
     mean_improvement (the mean of the per-layer ratios, the seed's 50.97%).
@@ -152,10 +162,11 @@ def layer_table(step0, final_a, final_b, routing, num_tokens: int, k: int,
              "floor": floor, "maxvio_a": float(maxvio_a[layer]),
              "maxvio_b": float(maxvio_b[layer])} for layer, kind in enumerate(routing)]
     summed = ["var_step0", "var_a", "var_b", "floor"]
-    if refit_b is not None:
-        summed.append("var_refit_b")
-        for row, v in zip(rows, _variance(refit_b)):
-            row["var_refit_b"] = float(v)
+    for key, counts in (("var_online_b", online_b), ("var_refit_b", refit_b)):
+        if counts is not None:
+            summed.append(key)
+            for row, v in zip(rows, _variance(counts)):
+                row[key] = float(v)
     means = ["maxvio_a", "maxvio_b"]
     if ranks > 1:
         means += ["rank_imbalance_a", "rank_imbalance_b"]
@@ -178,9 +189,10 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
     {"runs": [names], "same_probe": bool, "rows": [{layer, routing, var_step0: {name: v},
     var: {name: v}, maxvio: {name: v}, floor}], "total": {var_step0, var, maxvio, loss, steps:
     {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio). When
-    every run measured its probe with refitted biases, rows and total hold var_refit. When a
-    run used expert parallelism, rows and total also hold rank_imbalance: {name: busiest rank /
-    mean} (1.0 for runs without it).
+    every run measured its probe with refitted biases, rows and total hold var_refit; when one
+    calibrated its biases, var_online (the variance before the calibration; var for the others).
+    When a run used expert parallelism, rows and total also hold rank_imbalance: {name: busiest
+    rank / mean} (1.0 for runs without it).
     """
     first = runs[0][1]
     floor = sampling_floor(first.tokens, first.config["num_experts_per_tok"], first.step0.shape[-1])
@@ -189,10 +201,14 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
                       "rank_imbalance": rank_loads(run.final, run.ranks)[1]}
                for name, run in runs}
     refit = all(run.refit is not None for _, run in runs)
-    if refit:
-        for (name, run) in runs:
+    online = any(run.online is not None for _, run in runs)
+    for name, run in runs:
+        if online:
+            per_run[name]["var_online"] = _variance(run.final if run.online is None else run.online)
+        if refit:
             per_run[name]["var_refit"] = _variance(run.refit)
-    keys = ("var_step0", "var", *(("var_refit",) if refit else ()), "maxvio") + (
+    keys = ("var_step0", "var", *(("var_online",) if online else ()),
+            *(("var_refit",) if refit else ()), "maxvio") + (
         ("rank_imbalance",) if any(run.ranks > 1 for _, run in runs) else ())
     rows = [{"layer": layer, "routing": kind,
              **{key: {name: float(stats[key][layer]) for name, stats in per_run.items()}
@@ -220,14 +236,17 @@ def _tokens_per_step(config: dict) -> int:
 def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     total, n = table["total"], table["total"]["steps"]
     ranks, refit = "rank_imbalance_a" in total, "var_refit_b" in total
+    online = "var_online_b" in total
     headers = ["Layer", "Routing", "Step 0 Var (Baseline)", f"Step {n} Var (Run A)",
                f"Step {n} Var (Run B)", "Improvement (A vs B)", "Floor",
+               *(["Online Var (Run B)"] if online else []),
                *(["Refit Var (Run B)"] if refit else []), "MaxVio A", "MaxVio B",
                *(["EP max/mean A", "EP max/mean B"] if ranks else [])]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
         return [label, routing, *(f"{r[key]:.2f}" for key in ("var_step0", "var_a", "var_b")),
                 f"{100 * r['improvement']:.2f}%", f"{r['floor']:.2f}",
+                *([f"{r['var_online_b']:.2f}"] if online else []),
                 *([f"{r['var_refit_b']:.2f}"] if refit else []), f"{r['maxvio_a']:.3f}",
                 f"{r['maxvio_b']:.3f}",
                 *([f"{r['rank_imbalance_a']:.3f}", f"{r['rank_imbalance_b']:.3f}"] if ranks
@@ -242,6 +261,8 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
              f"per-layer improvements is {100 * total['mean_improvement']:.2f}%.",
              f"{n} steps of {total['tokens_per_step']} tokens. Floor: expected variance of "
              f"perfectly balanced random routing of the probe batch, N (K/E) (1 - K/E)."]
+    if online:
+        notes.append(ONLINE_NOTE)
     if refit:
         notes.append(REFIT_NOTE)
     if ranks:
@@ -253,16 +274,17 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
 def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     names, total, same = table["runs"], table["total"], table["same_probe"]
     per_run = ("var",) if same else ("var_step0", "var")
-    per_run += ("var_refit", "maxvio") if "var_refit" in total else ("maxvio",)
+    per_run += tuple(key for key in ("var_online", "var_refit") if key in total) + ("maxvio",)
     per_run += ("rank_imbalance",) if "rank_imbalance" in total else ()
-    titles = {"var_step0": "Step 0 Var", "var": "Var", "var_refit": "Refit Var",
+    titles = {"var_step0": "Step 0 Var", "var": "Var", "var_online": "Online Var",
+              "var_refit": "Refit Var",
               "maxvio": "MaxVio", "rank_imbalance": "EP max/mean"}
     headers = ["Layer", "Routing", *(["Step 0 Var"] if same else []),
                *(f"{titles[key]} {name}" for name in names for key in per_run), "Floor"]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
-        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "var_refit": "{:.2f}", "maxvio": "{:.3f}",
-               "rank_imbalance": "{:.3f}"}
+        fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "var_online": "{:.2f}",
+               "var_refit": "{:.2f}", "maxvio": "{:.3f}", "rank_imbalance": "{:.3f}"}
         return [label, routing, *([f"{r['var_step0'][names[0]]:.2f}"] if same else []),
                 *(fmt[key].format(r[key][name]) for name in names for key in per_run),
                 f"{r['floor']:.2f}"]
@@ -275,6 +297,8 @@ def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
         notes.append("The runs measured different probe batches (or started from different "
                      "weights): each run's step-0 variance is its own.")
     notes.append("TOTAL sums the top-K variances and averages their MaxVio.")
+    if "var_online" in total:
+        notes.append(ONLINE_NOTE)
     if "var_refit" in total:
         notes.append(REFIT_NOTE)
     return headers, rows, notes
@@ -364,6 +388,9 @@ def plot_variance(runs: list[tuple[str, Run]], path) -> Path:
     for i, (name, run) in enumerate(runs):
         ax.plot(layers, _variance(run.final), color=_colour(i), marker="o", ms=4,
                 label=f"{name}, step {run.final_step}")
+        if run.online is not None:
+            ax.plot(layers, _variance(run.online), color=_colour(i), ls="-.", lw=1,
+                    label=f"{name}, online bias")
         if run.refit is not None:
             ax.plot(layers, _variance(run.refit), color=_colour(i), ls="--", lw=1,
                     label=f"{name}, refitted bias")
@@ -539,7 +566,8 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
                          "and model")
     _prepare_out(out, overwrite)
     table = layer_table(a.step0, a.final, b.final, a.routing, a.tokens,
-                        a.config["num_experts_per_tok"], max(a.ranks, b.ranks), b.refit)
+                        a.config["num_experts_per_tok"], max(a.ranks, b.ranks), b.refit,
+                        b.online)
     table["total"].update(loss_a=a.metrics[-1]["loss"], loss_b=b.metrics[-1]["loss"],
                           steps=a.final_step, tokens_per_step=_tokens_per_step(a.config))
     runs = [(f"A: {a.name}", a), (f"B: {b.name}", b)]

@@ -188,6 +188,21 @@ def biases_set_to(model: DeepSeekV4, biases: jax.Array):
         set_biases(model, trained)
 
 
+def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data) -> bool:
+    """After the last step: set every top-k bias to the one that balances the last
+    `routed_bias_calibration_batches` training batches (at most all of them) at the final
+    weights, one undamped fit per block on all their tokens (`refit_biases`). The online rule
+    fits each batch with the weights of its own step, which lag behind the router, and can only
+    average few batches; this refit sees many batches as the final weights route them. Returns
+    whether it ran (not for runs without routed_bias or top-k blocks)."""
+    batches = min(cfg.routed_bias_calibration_batches, cfg.steps)
+    if not (batches and cfg.routed_bias and routed_layers(model)):
+        return False
+    set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps - batches, batches,
+                                   iterations=1))
+    return True
+
+
 def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tuple:
     """The probe's [L, E] counts after the last step, and with refitted biases (or None)."""
     counts = jax.device_get(eval_step(model, *probe)["counts"])
@@ -199,7 +214,7 @@ def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tupl
 
 
 def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int,
-                 refit=None) -> None:
+                 refit=None, online=None) -> None:
     path = out / "probe_counts.json"
     probe = json.loads(path.read_text()) if path.exists() else {
         "tokens": tokens, "routing": ["topk" if i in routed else "hash"
@@ -207,6 +222,8 @@ def _write_probe(out: Path, key: int, counts, routed: list[int], tokens: int,
     probe["counts"][str(key)] = np.asarray(counts).tolist()
     if refit is not None:
         probe.setdefault("refit", {})[str(key)] = np.asarray(refit).tolist()
+    if online is not None:
+        probe.setdefault("online", {})[str(key)] = np.asarray(online).tolist()
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(probe))
     partial.replace(path)  # atomic: a crash leaves the previous file whole
@@ -310,9 +327,16 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                        f"{record['tokens_per_s']:.0f} tok/s  MaxVio {maxvio:.3f}")
             done = step + 1
             if done == cfg.steps:  # every process measures (collectives), process 0 writes
+                online = jax.device_get(eval_step(model, *probe)["counts"])
+                if calibrate_biases(cfg, model, mesh, train_data):
+                    console.print(f"biases calibrated on the last "
+                                  f"{min(cfg.routed_bias_calibration_batches, cfg.steps)} "
+                                  "training batches at the final weights")
+                else:
+                    online = None
                 final, refit = _final_probe(cfg, model, mesh, eval_step, probe, train_data)
                 if writer_process:
-                    _write_probe(out, done, final, routed, probe_tokens, refit)
+                    _write_probe(out, done, final, routed, probe_tokens, refit, online)
             if done % cfg.checkpoint_period == 0 or done == cfg.steps or stop.signal:
                 if writer_process:
                     counts_file.flush()
