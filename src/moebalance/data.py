@@ -191,10 +191,12 @@ def held_out(seed: int, name: str, eval_fraction: float) -> bool:
     return _unit_hash(seed, name) < eval_fraction
 
 
-def split_texts(docs: list[Document], split: str, cfg: Config) -> Iterator[str]:
+def split_texts(docs: list[Document], split: str, cfg: Config, *,
+                note: bool = True) -> Iterator[str]:
     """The texts of one split's documents (`split_documents`), in path then record order, read
     lazily; a record file yields its records of this split, each named `path#row`. Records without
-    text are skipped and counted in one progress note."""
+    text are skipped and counted in one progress note (`note`: False for a second pass over the
+    same split, e.g. the tokenizer's, so that the count is given once)."""
     empty = 0
     for doc in docs:
         if not doc.records:
@@ -207,7 +209,7 @@ def split_texts(docs: list[Document], split: str, cfg: Config) -> Iterator[str]:
                 empty += 1
                 continue
             yield text
-    if empty:
+    if empty and note:
         log.info("skipped %d %s-split records with no text (null or empty %r)", empty, split,
                  cfg.dataset_text_field)
 
@@ -291,7 +293,7 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
             size = sum(d.path.stat().st_size for d in train_docs) / 1e6
             log.info("training a %d-token byte-level BPE on %d files (%.1f MB)",
                      cfg.tokenizer_vocab_size, len(train_docs), size)
-            trained = train_tokenizer(split_texts(train_docs, "train", cfg),
+            trained = train_tokenizer(split_texts(train_docs, "train", cfg, note=False),
                                       cfg.tokenizer_vocab_size)
             write_atomic(path, lambda f: f.write(trained.to_str().encode()))
         tokenizer = Tokenizer.from_file(str(path))
