@@ -207,8 +207,9 @@ def test_calibration_refits_the_final_biases_on_the_last_training_batches(tmp_pa
     from moebalance.training import sharding
     from moebalance.training.loop import build, refit_biases
 
-    online_cfg = load_config("deepseek4-smoke", SMALL)
-    calibrated_cfg = load_config("deepseek4-smoke", {**SMALL, "routed_bias_calibration_batches": 5})
+    plain = {**SMALL, "probe_refit_batches": 0}
+    online_cfg = load_config("deepseek4-smoke", plain)
+    calibrated_cfg = load_config("deepseek4-smoke", {**plain, "routed_bias_calibration_batches": 5})
     train(online_cfg, tmp_path / "online", progress=False)
     train(calibrated_cfg, tmp_path / "calibrated", progress=False)
     mesh = sharding.make_mesh(online_cfg)
