@@ -188,19 +188,23 @@ def biases_set_to(model: DeepSeekV4, biases: jax.Array):
         set_biases(model, trained)
 
 
-def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data) -> bool:
-    """After the last step: set every top-k bias to the one that balances the last
-    `routed_bias_calibration_batches` training batches (at most all of them) at the final
-    weights, one undamped fit per block on all their tokens (`refit_biases`). The online rule
-    fits each batch with the weights of its own step, which lag behind the router, and can only
-    average few batches; this refit sees many batches as the final weights route them. Returns
-    whether it ran (not for runs without routed_bias or top-k blocks)."""
-    batches = min(cfg.routed_bias_calibration_batches, cfg.steps)
-    if not (batches and cfg.routed_bias and routed_layers(model)):
-        return False
+def calibration_batches(cfg: Config, model: DeepSeekV4) -> int:
+    """How many of its last training batches a run calibrates its biases on after the last step
+    (`routed_bias_calibration_batches`, at most all of them; 0 for runs without routed_bias or
+    top-k blocks)."""
+    if not (cfg.routed_bias and routed_layers(model)):
+        return 0
+    return min(cfg.routed_bias_calibration_batches, cfg.steps)
+
+
+def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data, batches: int) -> None:
+    """After the last step: set every top-k bias to the one that balances the last `batches`
+    training batches at the final weights, one undamped fit per block on all their tokens
+    (`refit_biases`). The online rule fits each batch with the weights of its own step, which lag
+    behind the router, and can only average few batches; this refit sees many batches as the
+    final weights route them."""
     set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps - batches, batches,
                                    iterations=1))
-    return True
 
 
 def _final_probe(cfg: Config, model, mesh, eval_step, probe, train_data) -> tuple:
@@ -327,13 +331,13 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                        f"{record['tokens_per_s']:.0f} tok/s  MaxVio {maxvio:.3f}")
             done = step + 1
             if done == cfg.steps:  # every process measures (collectives), process 0 writes
-                online = jax.device_get(eval_step(model, *probe)["counts"])
-                if calibrate_biases(cfg, model, mesh, train_data):
-                    console.print(f"biases calibrated on the last "
-                                  f"{min(cfg.routed_bias_calibration_batches, cfg.steps)} "
-                                  "training batches at the final weights")
-                else:
-                    online = None
+                online, calibration = None, calibration_batches(cfg, model)
+                if calibration:
+                    online = jax.device_get(eval_step(model, *probe)["counts"])
+                    calibrate_biases(cfg, model, mesh, train_data, calibration)
+                    if writer_process:
+                        console.print(f"biases calibrated on the last {calibration} training "
+                                      "batches at the final weights")
                 final, refit = _final_probe(cfg, model, mesh, eval_step, probe, train_data)
                 if writer_process:
                     _write_probe(out, done, final, routed, probe_tokens, refit, online)
