@@ -4,8 +4,11 @@ For each shape, in one run: the dropless MoE layer (routed experts, no shared ex
 and a dense SwiGLU of width K*F on the same T tokens (the FLOPs the routed experts usefully do),
 both jitted, forward + backward w.r.t. input and weights. Prints one JSON object per line and a
 summary line; `ratio` = MoE tokens/s / dense tokens/s (1.0 = routing and dispatch are free).
+`--dispatch blocked,ragged` times both expert layouts in one run (`auto` is what the model picks:
+blocked on a CPU, `jax.lax.ragged_dot` elsewhere); `--shapes 64:6:1024:512` adds shapes.
 
     python benchmarks/moe_layer.py [--tokens 4096] [--repeats 5] [--block-sizes 128,256]
+                                   [--dispatch auto] [--dtype float32] [--shapes E:K:D:F,...]
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from flax import nnx
 
 from moebalance.model.moe import MoE, MoEConfig, SwiGLU
 
-SHAPES = [  # (E, K, D=F)
-    (16, 4, 64),
-    (16, 4, 128),
-    (16, 4, 256),
-    (64, 6, 128),
+SHAPES = [  # (E, K, D, F)
+    (16, 4, 64, 64),
+    (16, 4, 128, 128),
+    (16, 4, 256, 256),
+    (64, 6, 128, 128),
 ]
 
 
@@ -48,20 +51,20 @@ def _fwd_bwd(module):
     return step, state
 
 
-def bench_shape(experts, k, dim, tokens, repeats, block_size, dispatch):
-    x = jax.random.normal(jax.random.key(0), (tokens, dim))
-    cfg = MoEConfig(emb_dim=dim, num_experts=experts, num_experts_per_tok=k, moe_mlp_dim=dim,
-                    shared_experts=0, block_size=block_size, dispatch=dispatch)
+def bench_shape(experts, k, dim, hidden, tokens, repeats, block_size, dispatch, dtype):
+    x = jax.random.normal(jax.random.key(0), (tokens, dim), dtype)
+    cfg = MoEConfig(emb_dim=dim, num_experts=experts, num_experts_per_tok=k, moe_mlp_dim=hidden,
+                    shared_experts=0, block_size=block_size, dispatch=dispatch, dtype=dtype)
     moe_step, moe_state = _fwd_bwd(MoE(cfg, rngs=nnx.Rngs(0)))
-    dense = SwiGLU(dim, k * dim, limit=0.0, dtype=jnp.float32, weight_dtype=jnp.float32,
+    dense = SwiGLU(dim, k * hidden, limit=0.0, dtype=jnp.dtype(dtype), weight_dtype=jnp.float32,
                    rngs=nnx.Rngs(1))
     dense_step, dense_state = _fwd_bwd(dense)
     t_moe = _time(moe_step, moe_state, x, repeats=repeats)
     t_dense = _time(dense_step, dense_state, x, repeats=repeats)
-    useful_flops = 3 * 2 * tokens * k * 3 * dim * dim  # fwd+bwd, three matmuls per expert
+    useful_flops = 3 * 2 * tokens * k * 3 * dim * hidden  # fwd+bwd, three matmuls per expert
     return {
-        "experts": experts, "k": k, "d_model": dim, "d_ff": dim, "tokens": tokens,
-        "dispatch": dispatch, "block_size": block_size,
+        "experts": experts, "k": k, "d_model": dim, "d_ff": hidden, "tokens": tokens,
+        "dtype": dtype, "dispatch": dispatch, "block_size": block_size if dispatch != "ragged" else None,
         "moe_tokens_per_s": round(tokens / t_moe, 1),
         "dense_tokens_per_s": round(tokens / t_dense, 1),
         "moe_gflops": round(useful_flops / t_moe / 1e9, 2),
@@ -75,14 +78,23 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-sizes", default="256", help="comma-separated block sizes")
-    parser.add_argument("--dispatch", default="auto", choices=["auto", "blocked", "ragged"])
+    parser.add_argument("--dispatch", default="auto",
+                        help="comma-separated expert layouts: auto | blocked | ragged")
+    parser.add_argument("--dtype", default="float32", help="activation and matmul dtype")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated E:K:D:F shapes to add to the default ones")
+    parser.add_argument("--only-shapes", action="store_true", help="time --shapes alone")
     args = parser.parse_args()
+    extra = [tuple(int(n) for n in shape.split(":")) for shape in args.shapes.split(",") if shape]
     rows = []
-    for experts, k, dim in SHAPES:
-        for block in (int(b) for b in args.block_sizes.split(",")):
-            row = bench_shape(experts, k, dim, args.tokens, args.repeats, block, args.dispatch)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for experts, k, dim, hidden in (extra if args.only_shapes else SHAPES + extra):
+        for dispatch in args.dispatch.split(","):
+            blocks = [int(b) for b in args.block_sizes.split(",")] if dispatch != "ragged" else [1]
+            for block in blocks:  # ragged_dot has no blocks
+                row = bench_shape(experts, k, dim, hidden, args.tokens, args.repeats, block,
+                                  dispatch, args.dtype)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     print(json.dumps({"summary": "moe_vs_dense_ratio", "backend": jax.default_backend(),
                       "min_ratio": min(r["ratio"] for r in rows),
                       "max_ratio": max(r["ratio"] for r in rows)}))

@@ -33,8 +33,8 @@ def xla_temp_bytes(cfg) -> int:
 
 def main(configs: list[str]) -> None:
     for overrides in configs:
-        # the planner traces the accelerators' ragged dispatch: compile the same here
-        cfg = load_config("deepseek4-smoke", ["moe_dispatch=ragged", *overrides.split()])
+        # the planner traces the GPUs' blocked dispatch: compile the same here
+        cfg = load_config("deepseek4-smoke", ["moe_dispatch=blocked", *overrides.split()])
         planned = plan.plan(cfg, 1)
         for remat in ("none", "full"):
             start = time.perf_counter()

@@ -70,19 +70,6 @@ def component(op_name: str) -> str:
     return scopes[-1] if scopes else "other"
 
 
-def dense_gemm_gflops(size: int = 1024, repeats: int = 10) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((size, size), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(matmul(a))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        jax.block_until_ready(matmul(a))
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="deepseek4-tiny")
@@ -101,7 +88,7 @@ def main():
                                " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*jit_step.*")
     import jax
 
-    from model_step import time_step
+    from model_step import dense_gemm_gflops, time_step
     from moebalance.config import load_config
     from moebalance.data import batches
     from moebalance.training import sharding

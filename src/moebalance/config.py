@@ -69,7 +69,7 @@ class Config:
     swiglu_limit: float = _key(0.0, "SwiGLU clamp limit (0 = off)")
     capacity_factor: float = _key(-1.0, "expert capacity factor (<= 0: dropless)")
     drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
-    moe_dispatch: str = _key("auto", "blocked | ragged | auto")
+    moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
     moe_block_size: int = _key(256, "rows per block of the blocked dispatch")
     first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
     hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced")

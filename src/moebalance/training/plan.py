@@ -30,7 +30,7 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  block = the largest single block's residuals. The backward of a block holds
                  about twice that again (WORKING_SET: the cotangents of its arrays); under full
                  remat it first recomputes the block's residuals (one more). The dispatch traced
-                 is the accelerators' (`ragged`) unless the config names another. Under expert
+                 is the GPUs' (`blocked`) unless the config names another. Under expert
                  parallelism this counts what the code does: `lax.cond` keeps the residuals of
                  both buffers (the branch not taken as zeros), so the worst-case buffer's R * A
                  rows per layer are paid in memory on every step, not only when it runs.
@@ -158,9 +158,9 @@ def residual_bytes(fn, args: tuple, batch_args: set[int], mesh: AbstractMesh) ->
 
 
 def traced_config(cfg: Config, remat: str) -> Config:
-    """The config whose training step is traced: `remat_policy` as asked, the accelerators'
-    dispatch (`ragged`) where the config leaves it to the backend."""
-    dispatch = "ragged" if cfg.moe_dispatch == "auto" else cfg.moe_dispatch
+    """The config whose training step is traced: `remat_policy` as asked, the GPUs' dispatch
+    (`blocked`) where the config leaves it to the backend."""
+    dispatch = "blocked" if cfg.moe_dispatch == "auto" else cfg.moe_dispatch
     return dataclasses.replace(cfg, remat_policy=remat, moe_dispatch=dispatch)
 
 
