@@ -123,6 +123,40 @@ def test_gradients_equal_dense_autodiff(dispatch):
                                    err_msg=name)
 
 
+def test_blocked_backward_keeps_no_per_block_weights():
+    """Each block's copy of its expert's weights ([nb, D, F], nb / E times the weights) is gathered
+    again in the backward pass rather than kept: none of what jax.vjp keeps for the backward, bar
+    the layer's own weights, has the shape of a weight matrix."""
+    model = make(dispatch="blocked")
+    graphdef, state = nnx.split(model)
+    x, _ = inputs()
+    residuals = jax.make_jaxpr(lambda state, x: jax.vjp(
+        lambda state: nnx.merge(graphdef, state)(x)[0].sum(), state)[1])(state, x).jaxpr
+    kept = [v.aval.shape for v in residuals.outvars if v not in residuals.invars]
+    assert (20, 4, 16) in kept  # the blocks themselves: nb = ceil((18 * 3 + 8 * 3) / 4) = 20
+    assert not [shape for shape in kept if shape[1:] in ((16, 12), (12, 16))], kept
+
+
+def test_blocked_bfloat16_gradients_equal_ragged_autodiff():
+    """The blocked layer's backward, which picks each block's weights again, in bfloat16 against
+    autodiff of the ragged layout, also in bfloat16."""
+    x, _ = inputs(seed=5)
+    probe = jax.random.normal(jax.random.key(9), x.shape)
+    grads = {}
+    for dispatch in ("blocked", "ragged"):
+        model = make(dispatch=dispatch, dtype="bfloat16")
+        grads[dispatch] = nnx.grad(lambda m, x: (m(x)[0].astype(jnp.float32) * probe).sum(),
+                                   argnums=(0, 1))(model, x)
+    (g_blocked, gx_blocked), (g_ragged, gx_ragged) = grads["blocked"], grads["ragged"]
+    assert gx_blocked.dtype == jnp.float32  # the input's cotangent in the input's dtype
+    np.testing.assert_allclose(gx_blocked, gx_ragged, rtol=2e-2, atol=2e-2)
+    for name in ("router", "w1", "w3", "w2"):
+        assert g_blocked[name][...].dtype == jnp.float32
+        scale = np.abs(np.asarray(g_ragged[name][...])).max()
+        np.testing.assert_allclose(g_blocked[name][...], g_ragged[name][...], atol=2e-2 * scale,
+                                   err_msg=name)
+
+
 def test_bias_is_never_a_parameter_gradient_or_optimizer_target():
     model = make()
     x, _ = inputs()
