@@ -5,7 +5,7 @@ and a dense SwiGLU of width K*F on the same T tokens (the FLOPs the routed exper
 both jitted, forward + backward w.r.t. input and weights. Prints one JSON object per line and a
 summary line; `ratio` = MoE tokens/s / dense tokens/s (1.0 = routing and dispatch are free).
 `--dispatch blocked,ragged` times both expert layouts in one run (`auto` is what the model picks:
-blocked on a CPU, `jax.lax.ragged_dot` elsewhere); `--shapes 64:6:1024:512` adds shapes.
+`jax.lax.ragged_dot` on a TPU, blocked elsewhere); `--shapes 64:6:1024:512` adds shapes.
 
     python benchmarks/moe_layer.py [--tokens 4096] [--repeats 5] [--block-sizes 128,256]
                                    [--dispatch auto] [--dtype float32] [--shapes E:K:D:F,...]
@@ -64,7 +64,8 @@ def bench_shape(experts, k, dim, hidden, tokens, repeats, block_size, dispatch, 
     useful_flops = 3 * 2 * tokens * k * 3 * dim * hidden  # fwd+bwd, three matmuls per expert
     return {
         "experts": experts, "k": k, "d_model": dim, "d_ff": hidden, "tokens": tokens,
-        "dtype": dtype, "dispatch": dispatch, "block_size": block_size if dispatch != "ragged" else None,
+        "dtype": dtype, "dispatch": dispatch,
+        "block_size": block_size if dispatch != "ragged" else None,
         "moe_tokens_per_s": round(tokens / t_moe, 1),
         "dense_tokens_per_s": round(tokens / t_dense, 1),
         "moe_gflops": round(useful_flops / t_moe / 1e9, 2),
