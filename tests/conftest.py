@@ -3,13 +3,10 @@ file is read) and by the tests' own subprocesses:
 
 - glibc's huge-page malloc tunable, as the `moebalance` command sets it (moebalance.runtime);
 - XLA's CPU backend at its lowest LLVM optimisation: the tests run tiny models, whose time is
-  compilation (halved by these flags), not execution; what they check does not depend on it;
-- one JAX persistent compilation cache for the session (a fresh temporary directory unless
-  $JAX_COMPILATION_CACHE_DIR is set): many tests compile the same programs (20% less CPU time).
+  compilation (halved by these flags), not execution; what they check does not depend on it.
 """
 
 import os
-import tempfile
 
 from moebalance.runtime import hugepage_malloc_env
 
@@ -17,4 +14,3 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 os.environ.update(hugepage_malloc_env() or {})
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="moebalance-test-xla-"))
