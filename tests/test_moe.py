@@ -124,7 +124,7 @@ def test_gradients_equal_dense_autodiff(dispatch):
 
 
 def test_blocked_backward_keeps_no_per_block_weights():
-    """Each block's copy of its expert's weights ([nb, D, F], nb / E times the weights) is gathered
+    """Each block's copy of its expert's weights ([nb, D, F], nb / E times the weights) is picked
     again in the backward pass rather than kept: none of what jax.vjp keeps for the backward, bar
     the layer's own weights, has the shape of a weight matrix."""
     model = make(dispatch="blocked")
