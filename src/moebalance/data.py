@@ -35,8 +35,7 @@ import json
 import logging
 import os
 import sysconfig
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grain
@@ -45,6 +44,7 @@ import numpy as np
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from moebalance.atomic import write_atomic
 from moebalance.config import Config
 from moebalance.records import is_record_file, read_records
 from moebalance.runtime import user_cache_root
@@ -238,19 +238,6 @@ def _fingerprint(docs: list[Document], cfg: Config) -> list:
     if any(d.records for d in docs):
         return [files, cfg.seed, cfg.eval_fraction, cfg.dataset_text_field]
     return files
-
-
-def write_atomic(path: Path, write: Callable) -> None:
-    """Write `path` through `write(file)` into a temporary file, then rename it into place, so a
-    reader (or a concurrent writer) never sees a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        try:
-            write(f)
-        except BaseException:
-            os.unlink(f.name)
-            raise
-    os.replace(f.name, path)
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -38,6 +38,7 @@ import yaml
 from flax import nnx
 
 from moebalance import balancing, data
+from moebalance.atomic import write_atomic
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, maxvio_global, rank_loads
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
@@ -278,7 +279,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         (out / "expert_counts.json").write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
         if train_data.tokenizer is not None:
-            data.write_atomic(out / "tokenizer.json",
+            write_atomic(out / "tokenizer.json",
                               lambda f: f.write(train_data.tokenizer.to_str().encode()))
     model, optimizer = build(cfg, mesh, train_data)
     checkpoints = checkpoint.manager(out, cfg.max_num_checkpoints_to_keep)
