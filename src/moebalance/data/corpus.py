@@ -1,0 +1,179 @@
+"""The corpus and its train/held-out split (stages 1 and 2 of the pipeline):
+
+    1. corpus      every non-empty file matching `dataset_glob` under `dataset_path` (default: the
+                   running interpreter's standard library sources): a UTF-8 text file is one
+                   document; a JSON Lines or Parquet file holds one document per record, in its
+                   `dataset_text_field` (moebalance.data.records: formats and the bad-record rule)
+    2. split       each document goes to the training or the held-out split by a stable hash of
+                   its name (a file's path, or path#row for a record) and the seed, so the split
+                   never depends on listing order
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from moebalance.config import Config
+from moebalance.data.errors import DataError
+from moebalance.data.records import is_record_file, read_records
+
+log = logging.getLogger(__name__)
+
+EXCLUDED_DIRS = ("site-packages", "dist-packages")  # third-party code inside the stdlib tree
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One corpus file: a text file (one document) or a record file (one per record). `name` is
+    its path relative to its `dataset_path` entry ('/'-separated; the file name for a file given
+    directly): the identity used by the split and the cache keys."""
+
+    name: str
+    path: Path
+
+    @property
+    def records(self) -> bool:
+        return is_record_file(self.path)
+
+    def text(self) -> str:
+        return self.path.read_bytes().decode("utf-8")
+
+
+def _read_utf8(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
+    """(name, path) of every file matching the config, valid or not, in no particular order."""
+    if not cfg.dataset_path:  # walked without descending into third-party code: rglob would list
+        root = sysconfig.get_paths()["stdlib"]  # (and filter) 10k+ files of site-packages
+        for folder, subdirs, files in os.walk(root):
+            subdirs[:] = sorted(d for d in subdirs if d not in EXCLUDED_DIRS)
+            for name in files:
+                path = Path(folder, name)
+                rel = path.relative_to(root)
+                if rel.match(cfg.dataset_glob) and path.is_file():
+                    yield rel.as_posix(), path
+        return
+    for entry in sorted(cfg.dataset_path):
+        root = Path(entry).expanduser()
+        if root.is_file():
+            yield root.name, root
+        elif root.is_dir():
+            for path in root.rglob(cfg.dataset_glob):
+                if path.is_file():
+                    yield path.relative_to(root).as_posix(), path
+        else:
+            raise DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing "
+                            "files or directories (or [] for the Python standard library)")
+
+
+def corpus_documents(cfg: Config) -> list[Document]:
+    """The files of the corpus, sorted by path: files named by `dataset_path` (directories
+    searched recursively for `dataset_glob`), without empty files and text files that are not
+    UTF-8. A file reached twice (nested entries, links) counts once."""
+    docs: dict[Path, Document] = {}
+    for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
+        resolved = path.resolve()
+        usable = path.stat().st_size > 0 if is_record_file(path) else _is_text(resolved)
+        if resolved not in docs and usable:
+            docs[resolved] = Document(name, path)
+    if not docs:
+        where = cfg.dataset_path or [sysconfig.get_paths()["stdlib"]]
+        raise DataError(f"config keys `dataset_path`/`dataset_glob`: no non-empty UTF-8 file "
+                        f"matches {cfg.dataset_glob!r} in {where}; point dataset_path at text "
+                        "files or directories, or change dataset_glob (e.g. '*.txt')")
+    return sorted(docs.values(), key=lambda d: d.path)
+
+
+def _is_text(path: Path) -> bool:
+    """Non-empty UTF-8; read once per process and file version (a run lists the corpus for both
+    splits, an experiment for both runs)."""
+    stat = path.stat()
+    return _is_text_version(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_text_version(path: Path, size: int, mtime_ns: int) -> bool:
+    return bool(_read_utf8(path))
+
+
+def corpus_files(cfg: Config) -> list[Path]:
+    """Paths of `corpus_documents(cfg)`, sorted."""
+    return [doc.path for doc in corpus_documents(cfg)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Train / held-out split
+
+
+def _unit_hash(*parts) -> float:
+    """A stable hash of `parts` (sha256, not Python's salted hash) as a float in [0, 1)."""
+    digest = hashlib.sha256("\0".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_documents(docs: list[Document], eval_fraction: float, seed: int
+                    ) -> tuple[list[Document], list[Document]]:
+    """(train, held_out) files, each sorted by path. A text file is held out iff
+    sha256(seed, name) / 2**64 < eval_fraction, so the split depends on neither the listing order
+    nor the other documents. Record files are on both sides: their records are split one by one
+    by the same rule (`held_out`). In a corpus of text files only, each side gets at least one
+    file: if one side comes out empty, the file whose hash is nearest the threshold moves
+    across."""
+    records = [d for d in docs if d.records]
+    files = [d for d in docs if not d.records]
+    if len(files) < 2 and not records:
+        raise DataError(f"config key `dataset_path`: the corpus has {len(docs)} document(s); a "
+                        "training and a held-out split need at least 2 files (or records)")
+    ranked = sorted(files, key=lambda d: (_unit_hash(seed, d.name), d.name, d.path))
+    held = sum(held_out(seed, d.name, eval_fraction) for d in ranked)
+    if not records:
+        held = min(max(held, 1), len(ranked) - 1)
+
+    def by_path(part: list[Document]) -> list[Document]:
+        return sorted(part, key=lambda d: d.path)
+
+    return by_path(ranked[held:] + records), by_path(ranked[:held] + records)
+
+
+def held_out(seed: int, name: str, eval_fraction: float) -> bool:
+    """Whether the document called `name` belongs to the held-out split."""
+    return _unit_hash(seed, name) < eval_fraction
+
+
+def split_texts(docs: list[Document], split: str, cfg: Config, *,
+                note: bool = True) -> Iterator[str]:
+    """The texts of one split's documents (`split_documents`), in path then record order, read
+    lazily; a record file yields its records of this split, each named `path#row`. Records without
+    text are skipped and counted in one progress note (`note`: False for a second pass over the
+    same split, e.g. the tokenizer's, so that the count is given once)."""
+    empty = 0
+    for doc in docs:
+        if not doc.records:
+            yield doc.text()
+            continue
+        for row, text in read_records(doc.path, cfg.dataset_text_field):
+            if held_out(cfg.seed, f"{doc.name}#{row}", cfg.eval_fraction) != (split == "eval"):
+                continue
+            if text is None:
+                empty += 1
+                continue
+            yield text
+    if empty and note:
+        log.info("skipped %d %s-split records with no text (null or empty %r)", empty, split,
+                 cfg.dataset_text_field)

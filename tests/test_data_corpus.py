@@ -1,0 +1,79 @@
+"""The corpus (files, the default stdlib corpus) and the train/held-out split by document hash:
+moebalance.data.corpus."""
+
+import random
+from pathlib import Path
+
+import pytest
+
+from data_fixtures import corpus, text_config  # noqa: F401 (corpus: a fixture)
+from moebalance import data
+from moebalance.config import load_config
+
+
+def test_corpus_files_sorted_and_skips_empty_and_non_utf8(tmp_path, corpus):
+    root, docs = corpus
+    files = data.corpus_files(text_config(tmp_path, root))
+    assert files == sorted(root / name for name in docs)
+
+
+def test_default_corpus_is_the_stdlib_without_site_packages():
+    cfg = load_config("deepseek4-smoke", {"dataset_type": "text", "vocab_size": 8192})
+    files = data.corpus_files(cfg)
+    assert len(files) > 500 and files == sorted(files)
+    assert not any({"site-packages", "dist-packages"} & set(f.parts) for f in files)
+    assert all(f.suffix == ".py" for f in files)
+
+
+def test_split_is_deterministic_order_independent_and_covers_each_document_once(tmp_path, corpus):
+    root, _ = corpus
+    docs = data.corpus_documents(text_config(tmp_path, root))
+    train, held = data.split_documents(docs, 0.3, seed=0)
+    shuffled = docs[::-1]
+    random.Random(1).shuffle(shuffled)
+    assert data.split_documents(shuffled, 0.3, seed=0) == (train, held)
+    assert sorted(train + held, key=lambda d: d.path) == docs and not set(train) & set(held)
+
+
+def test_split_of_a_document_depends_only_on_its_name_and_the_seed():
+    docs = [data.Document(f"pkg/d{i}.py", Path(f"/corpus/pkg/d{i}.py")) for i in range(400)]
+    _, held = data.split_documents(docs, 0.25, seed=7)
+    assert 0.18 < len(held) / len(docs) < 0.32
+    _, sub_held = data.split_documents(docs[100:300], 0.25, seed=7)
+    assert set(sub_held) == set(held) & set(docs[100:300])
+    moved = [data.Document(d.name, Path("/elsewhere") / d.name) for d in docs]
+    assert [d.name for d in data.split_documents(moved, 0.25, seed=7)[1]] == [d.name for d in held]
+    assert data.split_documents(docs, 0.25, seed=8)[1] != held
+
+
+@pytest.mark.parametrize("fraction", [1e-9, 1 - 1e-9])
+def test_split_keeps_a_document_on_each_side(tmp_path, corpus, fraction):
+    root, _ = corpus
+    docs = data.corpus_documents(text_config(tmp_path, root))
+    train, held = data.split_documents(docs, fraction, seed=3)
+    assert len(train) >= 1 and len(held) >= 1 and len(train) + len(held) == len(docs)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_empty_corpus_is_an_error(tmp_path):
+    root = tmp_path / "nothing"
+    root.mkdir()
+    (root / "empty.py").write_text("")
+    (root / "bytes.py").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(data.DataError, match="dataset_path.*dataset_glob"):
+        data.corpus_files(text_config(tmp_path, root))
+
+
+def test_missing_path_is_an_error(tmp_path, corpus):
+    root, _ = corpus
+    with pytest.raises(data.DataError, match="nowhere.*does not exist"):
+        data.corpus_files(text_config(tmp_path, root, dataset_path=[str(root),
+                                                                    str(tmp_path / "nowhere")]))
+
+
+def test_single_document_is_an_error(tmp_path):
+    (tmp_path / "one.py").write_text("only one document here\n")
+    with pytest.raises(data.DataError, match="at least 2 files"):
+        data.TextBatches(text_config(tmp_path, tmp_path / "one.py"), "train")
