@@ -31,8 +31,9 @@ from moebalance.config import load_config
 from moebalance.data import batches
 from moebalance.experiment import without_balancing
 from moebalance.metrics import rank_loads
+from moebalance.model.transformer import routed_layers
 from moebalance.training import sharding
-from moebalance.training.loop import build, routed_layers
+from moebalance.training.loop import build
 from moebalance.training.step import make_train_step
 from model_step import time_step  # this directory's step timer
 

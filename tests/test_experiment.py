@@ -7,7 +7,7 @@ from moebalance import cli
 from moebalance.config import ConfigError, load_config
 from moebalance.experiment import ab, without_balancing
 from moebalance.metrics import load_stats, sampling_floor
-from moebalance.training.loop import RunDirError
+from moebalance.rundir import RunDirError
 
 AB = dict(steps=4, max_target_length=64, per_device_batch_size=8, routed_bias_update_rule="quantile",
           routed_bias_update_rate=0.5, load_balance_loss_weight=1e-3, checkpoint_period=2)
@@ -26,7 +26,7 @@ def test_run_a_has_every_balancing_mechanism_off():
 
 def test_ab_end_to_end(tmp_path):
     out = tmp_path / "exp"
-    table = ab(load_config("deepseek4-smoke", AB), out, progress=False)
+    table = ab(load_config("deepseek4-smoke", AB), out)
     saved = json.loads((out / "table.json").read_text())
     assert saved == json.loads(json.dumps(table))
     assert [set(r) for r in saved["rows"]] == [ROW_KEYS | {"var_refit_b"}] * 4
@@ -56,9 +56,9 @@ def test_ab_end_to_end(tmp_path):
     assert (out / "report.html").read_text().count("data:image/png;base64") == 4
     # neither the experiment nor its runs are overwritten silently
     with pytest.raises(RunDirError, match="--resume"):
-        ab(load_config("deepseek4-smoke", AB), out, progress=False)
+        ab(load_config("deepseek4-smoke", AB), out)
     # a finished experiment resumes to the same table without training again
-    again = ab(load_config("deepseek4-smoke", AB), out, resume=True, progress=False)
+    again = ab(load_config("deepseek4-smoke", AB), out, resume=True)
     assert json.loads(json.dumps(again)) == saved
 
 

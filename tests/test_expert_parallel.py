@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expert_parallel_run import CASES
+from scripts.expert_parallel_run import CASES
 from moebalance.config import ConfigError, load_config
 from moebalance.metrics import rank_loads
+from moebalance.model.moe import MoEConfig
 
 HERE = Path(__file__).parent
 
@@ -21,7 +22,7 @@ def run_case(tmp_path, case: str) -> dict:
            + " --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
     out = tmp_path / f"{case}.npz"
-    subprocess.run([sys.executable, str(HERE / "expert_parallel_run.py"), str(out), case],
+    subprocess.run([sys.executable, str(HERE / "scripts" / "expert_parallel_run.py"), str(out), case],
                    env=env, check=True)
     return dict(np.load(out))
 
@@ -74,7 +75,7 @@ def test_rank_loads_brute_force(data):
 
 def test_device_limited_routing_config():
     cfg = load_config("deepseek4-smoke", {"ici_expert_parallelism": 4, "routed_device_limit": 2})
-    moe = cfg.moe_config()
+    moe = MoEConfig.from_config(cfg)
     assert (moe.n_routing_groups, moe.topk_routing_group) == (4, 2)
     with pytest.raises(ConfigError, match="routed_device_limit.*ici_expert_parallelism >= 2"):
         load_config("deepseek4-smoke", {"routed_device_limit": 2})

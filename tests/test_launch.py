@@ -1,5 +1,5 @@
 """How a process learns that it is one of several (sharding.distributed_settings). The run itself
-across processes is tests/multiprocess_run.py (a minute or more: outside CI)."""
+across processes is tests/scripts/multiprocess_run.py (a minute or more: outside CI)."""
 
 import pytest
 

@@ -270,7 +270,7 @@ def test_real_shapes_parameter_counts(name, total, active):
         (dict(sliding_window_size=0), "sliding_window_size"),
         (dict(base_num_kv_heads=2), "base_num_kv_heads"),
         (dict(qk_rope_head_dim=20), "qk_rope_head_dim"),
-        (dict(num_experts_per_tok=9), "MoE settings"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
         (dict(hash_table="modulo"), "hash_table"),
         (dict(head_dim="big"), "head_dim"),
         (dict(num_expert=8), "unknown config key `num_expert`; did you mean num_experts"),

@@ -17,7 +17,7 @@ def run_on(devices: int, out: Path, *overrides: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
            + f" --xla_force_host_platform_device_count={devices}",
            "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, str(HERE / "multidevice_run.py"), str(out), *overrides],
+    subprocess.run([sys.executable, str(HERE / "scripts" / "multidevice_run.py"), str(out), *overrides],
                    env=env, check=True)
     return dict(np.load(out))
 

@@ -13,20 +13,49 @@ from moebalance.config import ConfigError, load_config
 from moebalance.data import batches
 from moebalance.metrics import STAT_NAMES, load_stats
 from moebalance.model.transformer import DeepSeekV4
+from moebalance.rundir import RunDir, RunDirError
 from moebalance.training import checkpoint
-from moebalance.training.loop import RunDirError, evaluate, train
+from moebalance.training.evaluate import evaluate
+from moebalance.training.hooks import Hook
+from moebalance.training.loop import train
 from moebalance.training.step import make_optimizer
 
 SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
              load_balance_loss_weight=1e-3, router_z_loss_weight=1e-4)
 
 
-def test_run_directory_metrics_and_counts(tmp_path):
+class Recorder(Hook):
+    """Every call the loop makes, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, first, steps):
+        self.calls.append(("start", first, steps))
+
+    def step(self, record, counts):
+        self.calls.append(("step", record, counts.copy()))
+
+    def end(self, record):
+        self.calls.append(("end", record))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_run_directory_metrics_and_counts(tmp_path, capfd):
     cfg = load_config("deepseek4-smoke", SMALL)
-    last = train(cfg, tmp_path / "run", progress=False)
+    capfd.readouterr()
+    recorder = Recorder()
+    last = train(cfg, tmp_path / "run", hooks=[recorder])
+    assert capfd.readouterr() == ("", "")  # a library call prints nothing
     run = tmp_path / "run"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2] and lines[-1] == last
+    # the hooks see what the run directory holds, then the end, then the close
+    assert [c[0] for c in recorder.calls] == ["start", "step", "step", "step", "end", "close"]
+    assert recorder.calls[0] == ("start", 0, 3) and recorder.calls[4] == ("end", last)
+    assert [c[1] for c in recorder.calls[1:4]] == lines
     for r in lines:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "ce", "sequence_loss", "z_loss"):
             assert np.isfinite(r[key]), key
@@ -39,6 +68,7 @@ def test_run_directory_metrics_and_counts(tmp_path):
     counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(-1, *row)
     assert counts.shape == (3, 4, 8)
     assert (counts.sum(-1) == 2 * 16 * 2).all()  # B * S * K per block per step
+    np.testing.assert_array_equal(np.stack([c[2] for c in recorder.calls[1:4]]), counts)
     # the logged statistics are those of the stored counts
     stats = load_stats(counts[-1])
     for row in lines[-1]["layers"]:
@@ -71,7 +101,7 @@ def test_refuses_an_existing_run_before_any_work(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("precious\n")
     with pytest.raises(RunDirError, match="already holds a run"):
-        train(load_config("deepseek4-smoke", SMALL), run, progress=False)
+        train(load_config("deepseek4-smoke", SMALL), run)
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 
 
@@ -79,7 +109,7 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path):
     cfg = load_config("deepseek4-smoke", {**SMALL, "learning_rate": 1e38,
                                           "warmup_steps_fraction": 0.0})
     with pytest.raises(FloatingPointError, match="the loss is"):
-        train(cfg, tmp_path / "run", progress=False)
+        train(cfg, tmp_path / "run")
 
 
 def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
@@ -87,7 +117,7 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
     after its first step, resume it: metrics, counts and the final state are identical."""
     over = {**SMALL, "steps": 40, "checkpoint_period": 100}
     cfg = load_config("deepseek4-smoke", over)
-    train(cfg, tmp_path / "a", progress=False)
+    train(cfg, tmp_path / "a")
     run = tmp_path / "b"
     args = [sys.executable, "-m", "moebalance.cli", "train", "deepseek4-smoke",
             *[f"{k}={v}" for k, v in over.items()], "--out", str(run)]
@@ -103,8 +133,8 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
     stopped = len((run / "metrics.jsonl").read_text().splitlines())
     assert stopped < 40  # really interrupted
     with pytest.raises(RunDirError, match="--resume"):
-        train(cfg, run, progress=False)
-    train(cfg, run, resume=True, progress=False)
+        train(cfg, run)
+    train(cfg, run, resume=True)
 
     def logs(path):
         rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
@@ -117,7 +147,7 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
     for path in (tmp_path / "a", run):
         model = DeepSeekV4(cfg, rngs=nnx.Rngs(1))  # other init: the restore must overwrite it
         opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
-        mgr = checkpoint.manager(path, 3)
+        mgr = checkpoint.manager(RunDir(path).checkpoints, 3)
         assert checkpoint.restore(mgr, model, opt) == 40
         states.append(nnx.to_flat_state(nnx.state(model)))
     for (p, va), (_, vb) in zip(*states):
@@ -145,13 +175,13 @@ def _tensorboard_tags(directory) -> dict[str, list[int]]:
 
 def test_text_run_packs_documents_writes_tensorboard_evaluates_and_generates(tmp_path,
                                                                              capsys):
-    from test_data import text_config, write_corpus
+    from data_fixtures import text_config, write_corpus
 
     root = tmp_path / "corpus"
     write_corpus(root, n_docs=12)
     cfg = text_config(tmp_path, root, steps=3, per_device_batch_size=2,
                       gradient_accumulation_steps=1, hash_table="balanced")
-    train(cfg, tmp_path / "run", progress=False)
+    train(cfg, tmp_path / "run")
     run = tmp_path / "run"
     tags = _tensorboard_tags(run / "tensorboard")
     assert tags["train/loss"] == [0, 1, 2] and tags["layer_03/maxvio"] == [0, 1, 2]
@@ -179,7 +209,7 @@ def test_text_run_packs_documents_writes_tensorboard_evaluates_and_generates(tmp
 
 
 def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
-    from test_data import text_config, write_corpus
+    from data_fixtures import text_config, write_corpus
 
     from moebalance.data import DataError
 
@@ -188,68 +218,11 @@ def test_bad_data_fails_before_the_run_directory_is_touched(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError, match="dataset_path"):
-        train(text_config(tmp_path, empty), tmp_path / "run", progress=False)
+        train(text_config(tmp_path, empty), tmp_path / "run")
     with pytest.raises(DataError, match="max_target_length"):
-        train(text_config(tmp_path, root, max_target_length=4096), tmp_path / "run",
-              progress=False)
+        train(text_config(tmp_path, root, max_target_length=4096), tmp_path / "run")
     with pytest.raises(ConfigError, match="tokenizer_vocab_size"):
         text_config(tmp_path, root, vocab_size=256)
     with pytest.raises(ConfigError, match="max_target_length"):
         load_config("deepseek4-smoke", {"max_target_length": 10**6})
     assert not (tmp_path / "run").exists()
-
-
-def test_calibration_refits_the_final_biases_on_the_last_training_batches(tmp_path):
-    """Two runs equal but for the calibration: the calibrated run saves the biases that
-    refit_biases fits at the final weights on its last training batches (all 3 when asked for 5),
-    and its probe keeps the online bias's counts, which are the other run's final counts."""
-    from moebalance.model.transformer import get_biases
-    from moebalance.training import sharding
-    from moebalance.training.loop import build, refit_biases
-
-    plain = {**SMALL, "probe_refit_batches": 0}
-    online_cfg = load_config("deepseek4-smoke", plain)
-    calibrated_cfg = load_config("deepseek4-smoke", {**plain, "routed_bias_calibration_batches": 5})
-    train(online_cfg, tmp_path / "online", progress=False)
-    train(calibrated_cfg, tmp_path / "calibrated", progress=False)
-    mesh = sharding.make_mesh(online_cfg)
-    source = batches(online_cfg)
-    model, optimizer = build(online_cfg, mesh, source)
-    checkpoint.restore_latest(tmp_path / "online", model, optimizer)
-    expected = refit_biases(online_cfg, model, mesh, source, first=0, batches=3, iterations=1)
-    checkpoint.restore_latest(tmp_path / "calibrated", model, optimizer)
-    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(expected))
-    online, calibrated = (json.loads((tmp_path / run / "probe_counts.json").read_text())
-                          for run in ("online", "calibrated"))
-    assert "online" not in online
-    assert calibrated["online"]["3"] == online["counts"]["3"] != calibrated["counts"]["3"]
-    with pytest.raises(ConfigError, match="routed_bias_calibration_batches.*>= 0"):
-        load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
-
-
-def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():
-    from moebalance.model.transformer import get_biases, set_biases
-    from moebalance.training import sharding
-    from moebalance.training.loop import build, refit_biases
-    from moebalance.training.step import make_eval_step
-
-    cfg = load_config("deepseek4-smoke", dict(max_target_length=64, per_device_batch_size=4))
-    mesh = sharding.make_mesh(cfg)
-    source = batches(cfg)
-    model, _ = build(cfg, mesh, source)
-    skewed = get_biases(model).at[:, 0].set(1.0)  # expert 0 wins nearly every token
-    set_biases(model, skewed)
-    eval_step = make_eval_step(cfg, model, mesh)
-
-    def fit_batch_maxvio():  # [L] MaxVio of the counts summed over the 4 fit batches
-        counts = sum(np.asarray(eval_step(model, *(x[0] for x in sharding.global_batch(
-            mesh, *source.batch(i))))["counts"]) for i in range(5, 9))
-        return load_stats(counts)["maxvio"][2:]
-
-    before = fit_batch_maxvio()
-    fit = refit_biases(cfg, model, mesh, source, first=5, batches=4)
-    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(skewed))
-    set_biases(model, fit)
-    after = fit_batch_maxvio()
-    assert (before > 1.5).all(), before
-    assert (after < 0.04).all(), after  # 1024 tokens x K=2 / 8 experts = 256 per expert

@@ -113,21 +113,24 @@ def _convert(args) -> int:
 def _train(args) -> int:
     """Train a config into a run directory, showing progress and balance as it goes."""
     from moebalance.config import load_config
+    from moebalance.training.hooks import terminal
     from moebalance.training.loop import train
 
     train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-          resume=args.resume, progress=not args.quiet)
+          resume=args.resume, hooks=terminal(bar=not args.quiet))
     print(f"run written to {args.out}")
     return 0
 
 
 def _ab(args) -> int:
     """Run A (no balancing) vs Run B (the config's balancing), then the table, plots, report."""
+    from rich.console import Console
+
     from moebalance.config import load_config
     from moebalance.experiment import ab
 
     ab(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-       resume=args.resume, progress=not args.quiet)
+       resume=args.resume, console=Console(), progress=not args.quiet)
     print(f"report written to {args.out}/report.html")
     return 0
 
@@ -148,7 +151,7 @@ def _eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from moebalance.training.loop import evaluate
+    from moebalance.training.evaluate import evaluate
 
     result = evaluate(args.run_dir, batches=args.batches, split=args.split,
                       refit_batches=args.refit_batches)

@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from moebalance.model.moe import MoEConfig
-
 PRESET_DIR = Path(__file__).parent / "configs"
+DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
+DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
 def _key(default, help: str):
@@ -152,21 +152,6 @@ class Config:
     def __post_init__(self):
         validate(self)
 
-    def moe_config(self) -> MoEConfig:
-        return MoEConfig(
-            emb_dim=self.base_emb_dim, num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok, moe_mlp_dim=self.base_moe_mlp_dim,
-            shared_experts=self.shared_experts, routed_score_func=self.routed_score_func,
-            routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
-            n_routing_groups=(self.ici_expert_parallelism if self.routed_device_limit
-                              else self.n_routing_groups),
-            topk_routing_group=self.routed_device_limit or self.topk_routing_group,
-            swiglu_limit=self.swiglu_limit, capacity_factor=self.capacity_factor,
-            drop_policy=self.drop_policy, dispatch=self.moe_dispatch,
-            block_size=self.moe_block_size, ep_buffer_factor=self.ep_buffer_factor,
-            dtype=self.dtype, weight_dtype=self.weight_dtype,
-        )
-
 
 class ConfigError(ValueError):
     """A configuration that cannot be run; the message names the key and the fix."""
@@ -268,10 +253,34 @@ def validate(c: Config) -> None:
         _require(c.n_routing_groups == 0, "routed_device_limit",
                  "replaces n_routing_groups / topk_routing_group (groups = expert-parallel "
                  "ranks); set n_routing_groups=0")
-    try:
-        c.moe_config()
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"MoE settings: {err}") from err
+    _validate_moe(c)
+
+
+def _validate_moe(c: Config) -> None:
+    """The MoE layer's settings, each error naming its key (model.moe.MoEConfig checks the same
+    facts for the layer used on its own)."""
+    import jax.numpy as jnp
+
+    from moebalance import routing
+
+    for key in ("num_experts", "base_moe_mlp_dim", "moe_block_size"):
+        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
+    _require(c.shared_experts >= 0, "shared_experts", f"must be >= 0, got {c.shared_experts}")
+    _require(c.swiglu_limit >= 0, "swiglu_limit", f"must be >= 0 (0 = off), got {c.swiglu_limit}")
+    _require(c.drop_policy in DROP_POLICIES, "drop_policy",
+             f"unknown policy {c.drop_policy!r}; choose one of {DROP_POLICIES}")
+    _require(c.moe_dispatch in DISPATCH_MODES, "moe_dispatch",
+             f"unknown layout {c.moe_dispatch!r}; choose one of {DISPATCH_MODES}")
+    checks = (("num_experts_per_tok", routing.check_topk, (c.num_experts_per_tok, c.num_experts)),
+              ("routed_score_func", routing.check_score_fn, (c.routed_score_func,)),
+              ("n_routing_groups", routing.check_groups,
+               (c.num_experts, c.num_experts_per_tok, c.n_routing_groups, c.topk_routing_group)),
+              ("dtype", jnp.dtype, (c.dtype,)), ("weight_dtype", jnp.dtype, (c.weight_dtype,)))
+    for key, check, args in checks:
+        try:
+            check(*args)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"config key `{key}`: {err}") from err
 
 
 # ---------------------------------------------------------------------------------------------

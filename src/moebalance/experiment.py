@@ -1,4 +1,4 @@
-"""The A/B load-balancing experiment (../shared/spec/SEED_EXPERIMENT.md) in one call.
+"""The A/B load-balancing experiment (docs/seed_experiment.md) in one call.
 
     Run A   the config with every balancing mechanism off: no bias updates, balance-loss weights 0
             (the router z-loss, a stability term, is kept as configured in both runs)
@@ -14,12 +14,13 @@ and report.html (moebalance.report).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from moebalance import report
 from moebalance.config import Config
-from moebalance.training.loop import RunDirError, train
+from moebalance.rundir import RunDir, RunDirError
+from moebalance.training.hooks import terminal
+from moebalance.training.loop import train
 
 
 def without_balancing(cfg: Config) -> Config:
@@ -29,35 +30,30 @@ def without_balancing(cfg: Config) -> Config:
 
 
 def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
-       progress: bool = True, console=None) -> dict:
+       console=None, progress: bool = True) -> dict:
     """Train Run A and Run B into out/run_a and out/run_b, then write the report into out.
 
     resume: continue whatever is unfinished (a run with no checkpoint starts over); overwrite:
-    replace an earlier experiment in `out`. Returns the table (table.json's content)."""
-    from rich.console import Console
-
+    replace an earlier experiment in `out`. console: a rich Console to show the runs (with a
+    progress bar unless `progress` is off) and the table on; None prints nothing. Returns the
+    table (table.json's content)."""
     out = Path(out)
-    console = console or Console()
     earlier = [f for f in ("run_a", "run_b", *report.REPORT_FILES) if (out / f).exists()]
     if earlier and not (overwrite or resume):
         raise RunDirError(f"{out} already holds an experiment ({', '.join(earlier)}); pass "
                           "--resume to finish it, --overwrite to replace it, or choose another --out")
     for name, run_cfg in (("A (no balancing)", without_balancing(cfg)), ("B (balancing)", cfg)):
-        run_dir = out / f"run_{name[0].lower()}"
-        console.rule(f"Run {name}: {run_dir}")
-        started = (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir())
-        if resume and started:
-            if _finished(run_dir, run_cfg.steps):
-                console.print("already finished")
+        run = RunDir(out / f"run_{name[0].lower()}")
+        hooks = terminal(console, bar=progress) if console is not None else []
+        if console is not None:
+            console.rule(f"Run {name}: {run.path}")
+        if resume and run.has_checkpoint():
+            if run.finished(run_cfg.steps):
+                if console is not None:
+                    console.print("already finished")
                 continue
-            train(run_cfg, run_dir, resume=True, progress=progress, program=cfg)
+            train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
         else:
-            train(run_cfg, run_dir, overwrite=True, progress=progress, program=cfg)
+            train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
     return report.ab_report(out / "run_a", out / "run_b", out, console,
                             overwrite=overwrite or resume)
-
-
-def _finished(run_dir: Path, steps: int) -> bool:
-    """A run is finished once its probe was measured after the last step."""
-    probe = run_dir / "probe_counts.json"
-    return probe.exists() and str(steps) in json.loads(probe.read_text())["counts"]

@@ -16,7 +16,6 @@ context is padded to one fixed length and compiled once.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +25,8 @@ from tokenizers import Tokenizer
 from moebalance.config import Config
 from moebalance.data import EOT
 from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
+from moebalance.rundir import RunDir
 from moebalance.training import checkpoint
-from moebalance.training.loop import read_run_config
 from moebalance.training.step import make_optimizer
 
 
@@ -103,9 +102,9 @@ class Generator:
 
 def load(run_dir) -> Generator:
     """The run's latest checkpoint (on the default device) and the tokenizer it trained with."""
-    run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir)
-    tokenizer_file = run_dir / "tokenizer.json"
+    run = RunDir(run_dir)
+    cfg = run.config()
+    tokenizer_file = run.tokenizer
     if not tokenizer_file.is_file():
         raise FileNotFoundError(
             f"{tokenizer_file} is missing: only runs on text data (dataset_type: text, or "
@@ -116,7 +115,7 @@ def load(run_dir) -> Generator:
             "there")
     model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)  # the checkpoint has it
-    step = checkpoint.restore_latest(run_dir, model, optimizer)
+    step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     tokenizer.encode_special_tokens = True  # as in training: literal <|endoftext|> is text
     return Generator(cfg, model, tokenizer, step)

@@ -27,7 +27,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-DROP_POLICIES = ("probs", "position")
 
 
 @jax.custom_vjp

@@ -26,12 +26,12 @@ from flax import nnx
 
 from moebalance import routing
 from moebalance.balancing import expert_counts
-from moebalance.model.dispatch import DROP_POLICIES, gather_rows, plan_dispatch
+from moebalance.config import DISPATCH_MODES, DROP_POLICIES, Config
+from moebalance.model.dispatch import gather_rows, plan_dispatch
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
 from moebalance.model.layers import constant, dense_init
 from moebalance.routing import RoutingRecord
 
-DISPATCH_MODES = ("auto", "blocked", "ragged")
 
 
 class RouterBias(nnx.Variable):
@@ -85,6 +85,23 @@ class MoEConfig:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; choose {DISPATCH_MODES}")
         for name in ("dtype", "weight_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError naming an unknown dtype
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> MoEConfig:
+        """The MoE layer of a model config (device-limited routing: the groups are the ranks)."""
+        return cls(
+            emb_dim=cfg.base_emb_dim, num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok, moe_mlp_dim=cfg.base_moe_mlp_dim,
+            shared_experts=cfg.shared_experts, routed_score_func=cfg.routed_score_func,
+            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+            n_routing_groups=(cfg.ici_expert_parallelism if cfg.routed_device_limit
+                              else cfg.n_routing_groups),
+            topk_routing_group=cfg.routed_device_limit or cfg.topk_routing_group,
+            swiglu_limit=cfg.swiglu_limit, capacity_factor=cfg.capacity_factor,
+            drop_policy=cfg.drop_policy, dispatch=cfg.moe_dispatch,
+            block_size=cfg.moe_block_size, ep_buffer_factor=cfg.ep_buffer_factor,
+            dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
+        )
 
     def capacity(self, num_tokens: int) -> int:
         """Per-expert capacity C for T tokens, or 0 when dropless."""

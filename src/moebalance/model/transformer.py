@@ -24,7 +24,7 @@ from moebalance.config import Config, ConfigError
 from moebalance.model.attention import Attention, AttentionDims
 from moebalance.model.hyper import HyperConnection, HyperHead
 from moebalance.model.layers import RMSNorm, dense_init, init_normal, rope_frequencies, stack
-from moebalance.model.moe import MoE
+from moebalance.model.moe import MoE, MoEConfig
 from moebalance.routing import RoutingRecord
 
 
@@ -72,7 +72,7 @@ class Block(nnx.Module):
         self.attn = Attention(attention_dims(cfg, ratio), rngs)
         self.ffn_hc = HyperConnection(d, m, **hc)
         self.ffn_norm = RMSNorm(d, eps)
-        self.ffn = MoE(cfg.moe_config(), hash_table=hash_table, rngs=rngs)
+        self.ffn = MoE(MoEConfig.from_config(cfg), hash_table=hash_table, rngs=rngs)
 
     def forward(self, h, token_ids, positions, segment_ids, mask):
         """h [B, S, m, D] -> (h [B, S, m, D], RoutingRecord)."""

@@ -12,11 +12,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 
-def manager(run_dir: Path, keep: int | None = None) -> ocp.CheckpointManager:
-    """The run's checkpoints/ (created if absent); saving keeps the last `keep` (None: all)."""
+def manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
+    """The checkpoints in `directory` (a run's checkpoints/, created if absent); saving keeps the
+    last `keep` (None: all)."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(Path(run_dir).absolute() / "checkpoints", options=options)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
 
 def _pure(model, optimizer) -> dict:
@@ -51,11 +52,12 @@ def restore(mgr: ocp.CheckpointManager, model, optimizer) -> int:
     return int(restored["meta"]["step"])
 
 
-def restore_latest(run_dir: Path, model, optimizer) -> int:
-    """Load the latest checkpoint of a run directory, creating nothing there; returns its step."""
-    directory = Path(run_dir) / "checkpoints"
+def restore_latest(directory: Path, model, optimizer) -> int:
+    """Load the latest checkpoint in `directory` (a run's checkpoints/), creating nothing there;
+    returns its step."""
+    directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint "
                                 "yet (the trainer saves one every checkpoint_period steps and at "
                                 "the end)")
-    return restore(manager(run_dir), model, optimizer)
+    return restore(manager(directory), model, optimizer)

@@ -1,6 +1,6 @@
 """Multi-process training on one machine, checked against a single-process run.
 
-    python tests/multiprocess_run.py [--processes 2] [--devices 2] [--steps 4] [--keep DIR]
+    python tests/scripts/multiprocess_run.py [--processes 2] [--devices 2] [--steps 4] [--keep DIR]
 
 P local processes with D simulated CPU devices each (XLA_FLAGS) join by `jax.distributed` (CPU
 collectives: gloo, JAX's default) through the launch variables MOEBALANCE_COORDINATOR /

@@ -1,0 +1,181 @@
+"""The run directory: the one module that knows its files, and reads and writes them.
+
+    config.yaml           the resolved configuration
+    metrics.jsonl         one JSON object per step (loss, lr, grad_norm, tokens_per_s, the balance
+                          losses, and `layers`: per MoE block its load statistics and bias stats)
+    expert_counts.i32     every step's [L, E] int32 counts, appended raw (row-major);
+    expert_counts.json    its row shape [L, E]: numpy.fromfile(...).reshape(-1, L, E) reads it
+    tokenizer.json        the tokenizer of the text data (not for synthetic data), for sampling
+    probe_counts.json     the [L, E] counts of one fixed held-out micro-batch (the probe) before
+                          the first step ("0") and after the last (str(steps)): what the A/B
+                          table compares: {"tokens": N, "routing": [kind per layer], "counts":
+                          {"0": [L][E], "<N>": [L][E]}}, optionally "refit": {"<N>": [L][E]}
+                          (the probe with the top-k biases refitted to fresh training batches)
+                          and "online": {"<N>": [L][E]} (with the bias the online rule left,
+                          when the run calibrated its biases after the last step)
+    tensorboard/          TensorBoard event files (loss, lr, balance losses, MaxVio per layer)
+    checkpoints/N         Orbax checkpoints after N steps (training/checkpoint.py writes them)
+
+Only process 0 of a run writes here (the trainer decides); every process may read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from moebalance.atomic import write_atomic
+from moebalance.config import Config
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+COUNTS = "expert_counts.i32"
+COUNTS_SHAPE = "expert_counts.json"
+PROBE = "probe_counts.json"
+TOKENIZER = "tokenizer.json"
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+RUN_FILES = (CONFIG, METRICS, COUNTS, COUNTS_SHAPE, PROBE, TOKENIZER, TENSORBOARD, CHECKPOINTS)
+
+
+class RunDirError(FileExistsError):
+    """A run directory that cannot be used as asked (it holds a run, or another config's)."""
+
+
+class RunDir:
+    """One run directory at `path`."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.tensorboard = self.path / TENSORBOARD
+        self.checkpoints = self.path / CHECKPOINTS
+        self.tokenizer = self.path / TOKENIZER
+
+    # ---- starting, resuming ------------------------------------------------------------------
+
+    def check_new(self, overwrite: bool) -> list[str]:
+        """The run files already here; refuses them unless `overwrite` is given."""
+        existing = [f for f in RUN_FILES if (self.path / f).exists()]
+        if existing and not overwrite:
+            raise RunDirError(f"{self.path} already holds a run ({', '.join(existing)}); pass "
+                              "--resume to continue it, --overwrite to replace it, or choose "
+                              "another --out")
+        return existing
+
+    def check_resumable(self, cfg: Config, may_differ: tuple[str, ...] = ()) -> None:
+        """Refuses to resume with a config other than the run's own (but for `may_differ`)."""
+        saved = self.config()
+        if dataclasses.replace(saved, **{k: getattr(cfg, k) for k in may_differ}) != cfg:
+            raise RunDirError(f"{self.path} was started with another config; resume it with its "
+                              "own config.yaml")
+
+    def create(self, cfg: Config, overwrite: bool, tokenizer=None) -> None:
+        """Start a run here: empty an earlier one (only with `overwrite`), write the config, the
+        counts' row shape and the tokenizer (a `tokenizers.Tokenizer`, or None)."""
+        for f in self.check_new(overwrite):
+            if (self.path / f).is_dir():
+                shutil.rmtree(self.path / f)
+            else:
+                (self.path / f).unlink()
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / CONFIG).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+        (self.path / COUNTS_SHAPE).write_text(json.dumps(
+            {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
+        if tokenizer is not None:
+            write_atomic(self.tokenizer, lambda f: f.write(tokenizer.to_str().encode()))
+
+    def rewind(self, step: int) -> None:
+        """Drop what steps >= `step` wrote (they ran after the checkpoint being resumed)."""
+        kept = [line for line in self._metric_lines() if json.loads(line)["step"] < step]
+        (self.path / METRICS).write_text("".join(line + "\n" for line in kept))
+        with open(self.path / COUNTS, "ab") as f:
+            f.truncate(step * int(np.prod(self._counts_row())) * 4)
+
+    def step_log(self) -> StepLog:
+        """The per-step log, opened for appending."""
+        return StepLog(self.path / METRICS, self.path / COUNTS)
+
+    def write_probe(self, key: int, counts, routing: list[str], tokens: int, refit=None,
+                    online=None) -> None:
+        """Add the probe's [L, E] counts after `key` steps (with refitted and online biases when
+        given); atomic: a crash leaves the previous file whole."""
+        probe = self.probe() if (self.path / PROBE).exists() else {
+            "tokens": tokens, "routing": list(routing), "counts": {}}
+        probe["counts"][str(key)] = np.asarray(counts).tolist()
+        for name, value in (("refit", refit), ("online", online)):
+            if value is not None:
+                probe.setdefault(name, {})[str(key)] = np.asarray(value).tolist()
+        write_atomic(self.path / PROBE, lambda f: f.write(json.dumps(probe).encode()))
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def require(self, *names: str) -> RunDir:
+        """Check that this is a run directory holding `names` (config.yaml first); a missing
+        directory or file raises FileNotFoundError naming it and what was expected there."""
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"run directory {self.path} does not exist (expected a "
+                                    "directory written by `moebalance train`, or an A/B "
+                                    "experiment's run_a/run_b)")
+        if not (self.path / CONFIG).is_file():
+            raise FileNotFoundError(f"{self.path} is not a run directory: it has no config.yaml "
+                                    "(the trainer writes one into every run; for an A/B "
+                                    "experiment give its run_a or run_b)")
+        for name in names:
+            if not (self.path / name).is_file():
+                raise FileNotFoundError(f"{self.path / name} is missing: is {self.path} a "
+                                        "finished run?")
+        return self
+
+    def config_dict(self) -> dict:
+        """config.yaml as written (keys of older versions included)."""
+        return yaml.safe_load((self.require().path / CONFIG).read_text()) or {}
+
+    def config(self) -> Config:
+        """The config the run was trained with."""
+        return Config(**self.config_dict())
+
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl: one record per step, in step order."""
+        return [json.loads(line) for line in self._metric_lines()]
+
+    def probe(self) -> dict:
+        """probe_counts.json as written (see the module docstring)."""
+        return json.loads((self.path / PROBE).read_text())
+
+    def has_checkpoint(self) -> bool:
+        return self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+
+    def finished(self, steps: int) -> bool:
+        """A run is finished once its probe was measured after the last step."""
+        return (self.path / PROBE).exists() and str(steps) in self.probe()["counts"]
+
+    def _metric_lines(self) -> list[str]:
+        path = self.path / METRICS
+        return [line for line in path.read_text().splitlines() if line.strip()] if (
+            path.exists()) else []
+
+    def _counts_row(self) -> list[int]:
+        return json.loads((self.path / COUNTS_SHAPE).read_text())["row_shape"]
+
+
+class StepLog:
+    """metrics.jsonl and expert_counts.i32, appended one step at a time and flushed each step."""
+
+    def __init__(self, metrics: Path, counts: Path):
+        self.metrics = open(metrics, "a")
+        self.counts = open(counts, "ab")
+
+    def append(self, record: dict, counts: np.ndarray) -> None:
+        np.asarray(counts, np.int32).tofile(self.counts)
+        self.counts.flush()
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.counts.close()

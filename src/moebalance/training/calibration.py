@@ -1,0 +1,93 @@
+"""The biases at the final weights: the refit (the best a bias does on given data) and the
+calibration a run applies after its last step.
+
+    refit_biases(cfg, model, mesh, source, first, batches)   -> [L_routed, E] fitted biases
+    biases_set_to(model, biases)                              a block that routes with them
+    calibrate_biases(cfg, model, mesh, train_data, batches)   the run's own biases := the fit
+    final_probe(cfg, model, mesh, eval_step, probe, train_data) -> the probe's counts at the end
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from moebalance import balancing
+from moebalance.config import Config
+from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
+from moebalance.training import sharding
+from moebalance.training.step import make_score_step
+
+
+def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batches: int,
+                 iterations: int = 4) -> jax.Array:
+    """[L_routed, E] float32: the top-k biases that balance `batches` batches of `source` (from
+    batch `first` on) at the model's current weights, i.e. what a perfectly estimated bias would
+    be on that data. Quantile Balancing (undamped) on all their tokens at once, repeated
+    `iterations` times, since a block's input depends on the earlier blocks' biases. The model's
+    own biases are put back unchanged."""
+    score_step = make_score_step(cfg, model, mesh)
+    fit_batches = []
+    for i in range(first, first + batches):
+        tokens, _, segment_ids = sharding.global_batch(mesh, *source.batch(i))
+        fit_batches += [(tokens[a], segment_ids[a]) for a in range(tokens.shape[0])]
+    fit = get_biases(model)
+    for _ in range(iterations):
+        with biases_set_to(model, fit):
+            scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
+        fit = balancing.quantile_bias(scores, fit, cfg.num_experts_per_tok)
+    return fit
+
+
+@contextlib.contextmanager
+def biases_set_to(model: DeepSeekV4, biases: jax.Array):
+    """The top-k blocks use `biases` [L_routed, E] inside the block; their own come back after it,
+    also when it raises."""
+    trained = get_biases(model)
+    set_biases(model, biases)
+    try:
+        yield
+    finally:
+        set_biases(model, trained)
+
+
+def calibration_batches(cfg: Config, model: DeepSeekV4) -> int:
+    """How many of its last training batches a run calibrates its biases on after the last step
+    (`routed_bias_calibration_batches`, at most all of them; 0 for runs without routed_bias or
+    top-k blocks)."""
+    if not (cfg.routed_bias and routed_layers(model)):
+        return 0
+    return min(cfg.routed_bias_calibration_batches, cfg.steps)
+
+
+def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data, batches: int) -> None:
+    """After the last step: set every top-k bias to the one that balances the last `batches`
+    training batches at the final weights, one undamped fit per block on all their tokens
+    (`refit_biases`). The online rule fits each batch with the weights of its own step, which lag
+    behind the router, and can only average few batches; this refit sees many batches as the
+    final weights route them."""
+    set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps - batches, batches,
+                                   iterations=1))
+
+
+def final_probe(cfg: Config, model: DeepSeekV4, mesh, eval_step, probe, train_data) -> dict:
+    """After the last step: calibrate the biases (when the run does) and measure the probe's
+    [L, E] counts: {"counts": with the run's final biases, "online": with the online rule's bias
+    before the calibration (or None), "refit": with refitted biases (or None)}, and
+    "calibration": the number of batches calibrated on (0: none)."""
+    def probe_counts():
+        return jax.device_get(eval_step(model, *probe)["counts"])
+
+    online, calibration = None, calibration_batches(cfg, model)
+    if calibration:
+        online = probe_counts()
+        calibrate_biases(cfg, model, mesh, train_data, calibration)
+    counts, refit = probe_counts(), None
+    if cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model):
+        with biases_set_to(model, refit_biases(cfg, model, mesh, train_data, cfg.steps,
+                                               cfg.probe_refit_batches)):
+            refit = probe_counts()
+    return {"counts": counts, "online": online, "refit": refit,
+            "calibration": calibration}

@@ -1,0 +1,70 @@
+"""`moebalance eval`: a run's latest checkpoint measured on one split, the run left untouched."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from moebalance import data
+from moebalance.metrics import maxvio_global
+from moebalance.model.transformer import routed_layers
+from moebalance.rundir import RunDir
+from moebalance.training import checkpoint, sharding
+from moebalance.training.calibration import biases_set_to, refit_biases
+from moebalance.training.loop import build
+from moebalance.training.step import make_eval_step
+
+
+def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
+             refit_batches: int = 0) -> dict:
+    """Loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint on a split.
+
+    `batches` batches of `split` (default: the whole split once for text, 4 for synthetic data;
+    'train' measures balance on the distribution the bias was fitted to, 'eval' on held-out
+    text). Counts are accumulated over all of them before MaxVio is taken. With `refit_batches`,
+    each layer also gets `maxvio_global_refit`: the same measurement with the top-k biases
+    refitted to balance that many fresh training batches (`refit_biases`), i.e. what a perfectly
+    estimated bias would reach on this data. Nothing is written to the run; its bias is only read.
+    """
+    if (batches is not None and batches < 1) or refit_batches < 0:
+        raise ValueError(f"evaluate needs batches >= 1 and refit_batches >= 0, got {batches} and "
+                         f"{refit_batches}")
+    run = RunDir(run_dir)
+    cfg = run.config()
+    mesh = sharding.make_mesh(cfg)
+    source = data.batches(cfg, split)
+    if batches is None:
+        per_batch = cfg.gradient_accumulation_steps * source.global_batch
+        batches = max(1, source.num_rows // per_batch) if source.num_rows else 4
+    model, optimizer = build(cfg, mesh, source)  # hash tables too come from the checkpoint
+    step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
+    eval_step = make_eval_step(cfg, model, mesh)
+
+    def measure():  # -> (CE summed over the valid targets, their number, [n, L, E] counts)
+        ce_sum = n_tokens = 0.0
+        counts = []
+        for i in range(batches):
+            tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
+            for a in range(tokens.shape[0]):
+                out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
+                ce_sum += float(out["ce_sum"])
+                n_tokens += float(out["tokens"])
+                counts.append(np.asarray(out["counts"]))
+        return ce_sum, n_tokens, np.stack(counts)
+
+    ce_sum, n_tokens, counts = measure()
+    loss = ce_sum / n_tokens
+    routed = routed_layers(model)
+    layers = [{"layer": i, "routing": "topk" if i in routed else "hash",
+               "maxvio_global": float(m)} for i, m in enumerate(maxvio_global(counts))]
+    if refit_batches and routed:
+        with biases_set_to(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"),
+                                               cfg.steps, refit_batches)):
+            refit_counts = measure()[2]
+        for row, m in zip(layers, maxvio_global(refit_counts)):
+            row["maxvio_global_refit"] = float(m)
+    return {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
+            "tokens": int(n_tokens), "batches": batches, "layers": layers}

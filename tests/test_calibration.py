@@ -1,0 +1,74 @@
+"""The biases at the final weights: refit_biases and the calibration after the last step."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moebalance.config import ConfigError, load_config
+from moebalance.data import batches
+from moebalance.metrics import load_stats
+from moebalance.rundir import RunDir
+from moebalance.training import checkpoint
+from moebalance.training.loop import train
+
+SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
+             load_balance_loss_weight=1e-3, router_z_loss_weight=1e-4)
+
+
+def test_calibration_refits_the_final_biases_on_the_last_training_batches(tmp_path):
+    """Two runs equal but for the calibration: the calibrated run saves the biases that
+    refit_biases fits at the final weights on its last training batches (all 3 when asked for 5),
+    and its probe keeps the online bias's counts, which are the other run's final counts."""
+    from moebalance.model.transformer import get_biases
+    from moebalance.training import sharding
+    from moebalance.training.calibration import refit_biases
+    from moebalance.training.loop import build
+
+    plain = {**SMALL, "probe_refit_batches": 0}
+    online_cfg = load_config("deepseek4-smoke", plain)
+    calibrated_cfg = load_config("deepseek4-smoke", {**plain, "routed_bias_calibration_batches": 5})
+    train(online_cfg, tmp_path / "online")
+    train(calibrated_cfg, tmp_path / "calibrated")
+    mesh = sharding.make_mesh(online_cfg)
+    source = batches(online_cfg)
+    model, optimizer = build(online_cfg, mesh, source)
+    checkpoint.restore_latest(RunDir(tmp_path / "online").checkpoints, model, optimizer)
+    expected = refit_biases(online_cfg, model, mesh, source, first=0, batches=3, iterations=1)
+    checkpoint.restore_latest(RunDir(tmp_path / "calibrated").checkpoints, model, optimizer)
+    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(expected))
+    online, calibrated = (json.loads((tmp_path / run / "probe_counts.json").read_text())
+                          for run in ("online", "calibrated"))
+    assert "online" not in online
+    assert calibrated["online"]["3"] == online["counts"]["3"] != calibrated["counts"]["3"]
+    with pytest.raises(ConfigError, match="routed_bias_calibration_batches.*>= 0"):
+        load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
+
+
+def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():
+    from moebalance.model.transformer import get_biases, set_biases
+    from moebalance.training import sharding
+    from moebalance.training.calibration import refit_biases
+    from moebalance.training.loop import build
+    from moebalance.training.step import make_eval_step
+
+    cfg = load_config("deepseek4-smoke", dict(max_target_length=64, per_device_batch_size=4))
+    mesh = sharding.make_mesh(cfg)
+    source = batches(cfg)
+    model, _ = build(cfg, mesh, source)
+    skewed = get_biases(model).at[:, 0].set(1.0)  # expert 0 wins nearly every token
+    set_biases(model, skewed)
+    eval_step = make_eval_step(cfg, model, mesh)
+
+    def fit_batch_maxvio():  # [L] MaxVio of the counts summed over the 4 fit batches
+        counts = sum(np.asarray(eval_step(model, *(x[0] for x in sharding.global_batch(
+            mesh, *source.batch(i))))["counts"]) for i in range(5, 9))
+        return load_stats(counts)["maxvio"][2:]
+
+    before = fit_batch_maxvio()
+    fit = refit_biases(cfg, model, mesh, source, first=5, batches=4)
+    np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(skewed))
+    set_biases(model, fit)
+    after = fit_batch_maxvio()
+    assert (before > 1.5).all(), before
+    assert (after < 0.04).all(), after  # 1024 tokens x K=2 / 8 experts = 256 per expert
