@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accelerator check (README: Performance on one GPU) as one script, for a machine with one GPU
+# The accelerator check (docs/performance.md: On one GPU) as one script, for a machine with one GPU
 # and JAX for it installed: the step of benchmarks/configs/deepseek4-d1024.yml (1.1B parameters,
 # 0.25B active, V = 129280, bf16, 8 x 2048 tokens) with the automatic expert layout (blocked on a
 # GPU), the MoE layer alone in both layouts at that model's shape, and the step with the ragged

@@ -1,19 +1,28 @@
 """Training-step throughput side by side with NVIDIA NeMo Automodel's PyTorch DeepSeek-V4.
 
-For each shape (vocabulary, batch, sequence), in one sitting: NeMo's step
-(../shared/peers/nemo_dsv4_step.py, the deepseek4-tiny model in NeMo's config, fp32, AdamW,
-gate-bias update and aux loss on; median step time) and this project's step
+For each shape (vocabulary, batch, sequence), in one sitting: NeMo's step (a peer script,
+nemo_dsv4_step.py, that trains the deepseek4-tiny model in NeMo's config, fp32, AdamW, gate-bias
+update and aux loss on, and writes its median step time as JSON) and this project's step
 (benchmarks/model_step.py: deepseek4-tiny on synthetic tokens, fp32, the default recipe's
 Quantile Balancing and sequence loss), each in a fresh process. Prints one JSON line per shape
-with both tokens/s and their ratio. The peer venv comes from ../shared/peers/setup-peers.
+with both tokens/s and their ratio.
 
-    python benchmarks/vs_nemo.py [--peer-python ~/.peers/torch/bin/python] [--steps 4]
+The NeMo side is not part of this repository: it needs a NeMo Automodel environment of your own,
+a Python with PyTorch and NeMo Automodel installed (--peer-python) and the peer script
+(--nemo-script, or the environment variable MOEBALANCE_NEMO_SCRIPT; one of the two is required).
+The script is called as `PEER_PYTHON SCRIPT --config maxtext-tiny --vocab V --batch B --seq S
+--steps N --warmup 1 --bias-rate 0.001 --aux-coeff 0.0001 --json OUT` and must write
+{"step_time_median_s": ...} to OUT.
+
+    python benchmarks/vs_nemo.py --nemo-script PATH/nemo_dsv4_step.py [--steps 4]
+    MOEBALANCE_NEMO_SCRIPT=PATH/nemo_dsv4_step.py python benchmarks/vs_nemo.py --peer-python PY
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -43,12 +52,18 @@ def ours(vocab: int, batch: int, seq: int, steps: int) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer-python", default=str(Path.home() / ".peers/torch/bin/python"))
-    parser.add_argument("--nemo-script", default=str(HERE.parent.parent / "shared/peers/"
-                                                     "nemo_dsv4_step.py"))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-python", default=str(Path.home() / ".peers/torch/bin/python"),
+                        help="the Python of your NeMo Automodel environment (default: %(default)s)")
+    parser.add_argument("--nemo-script", default=os.environ.get("MOEBALANCE_NEMO_SCRIPT"),
+                        help="NeMo's one-step script, nemo_dsv4_step.py, from your NeMo "
+                             "environment (default: $MOEBALANCE_NEMO_SCRIPT)")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
+    if not args.nemo_script:
+        parser.error("give --nemo-script PATH (or set MOEBALANCE_NEMO_SCRIPT): the NeMo peer "
+                     "script is not part of this repository")
     for vocab, batch, seq in SHAPES:
         peer = nemo(args.peer_python, Path(args.nemo_script), vocab, batch, seq, args.steps)
         mine = ours(vocab, batch, seq, args.steps)

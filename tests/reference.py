@@ -1,6 +1,6 @@
 """Slow, obvious NumPy references: one token, one expert, one sequence at a time.
 
-Written from the formulas in ../shared/spec/LOAD_BALANCING.md, independently of the package (no
+Written from the formulas in docs/load_balancing.md, independently of the package (no
 import from moebalance). Selection works on float32 values like the package, with ties going to
 the lower index, so exact-tie cases compare exactly.
 """

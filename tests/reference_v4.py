@@ -1,5 +1,5 @@
 """Slow, obvious NumPy (float64) references for the DeepSeek-V4 model pieces: one query, one key,
-one entry at a time, written from ../shared/spec/DEEPSEEK_V4.md. No import from moebalance."""
+one entry at a time, written from docs/architecture.md. No import from moebalance."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def test_load_stats_matches_reference(counts):
 
 
 def test_seed_table_rows():
-    # SEED_EXPERIMENT.md: all 2048 tokens x 4 picks on expert 0 of 16 -> N^2 (E-1)/E^2.
+    # docs/seed_experiment.md section 4: all 2048 tokens x 4 picks on expert 0 of 16
+    # -> N^2 (E-1)/E^2.
     hash_row = metrics.load_stats(np.array([8192] + [0] * 15))
     assert hash_row["variance"] == 3932160.0
     assert hash_row["maxvio"] == 15.0 and hash_row["dead_fraction"] == 15 / 16

@@ -22,7 +22,7 @@ clamp), with moebalance's logits as the reference. parity.json records all of it
 Every weight is drawn at O(1) scale (transformers initialises norms to 1 and sinks, biases and
 position biases to 0, which would leave them untested), and the indexer has 64 heads: with a few
 heads many indexer scores are exactly 0 and torch.topk and jax.lax.top_k break such ties
-differently (README, "Hugging Face checkpoints").
+differently (docs/hf.md, "Ties in the indexer").
 """
 
 from __future__ import annotations

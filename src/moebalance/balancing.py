@@ -1,7 +1,8 @@
 """Load-balancing maths: expert counts, bias-update rules, Quantile Balancing and balance losses.
 
 Pure functions with explicit arguments; they never read a config, and the losses are returned
-unweighted (callers multiply by their coefficient). Formulas: LOAD_BALANCING.md sections 2-3.
+unweighted (callers multiply by their coefficient). Formulas: docs/load_balancing.md sections 4
+(bias rules), 5 (Quantile Balancing) and 6 (balance losses and z-loss).
 
 Bias rules (applied after the optimizer step, outside autodiff, with counts c [E] summed over the
 whole global batch of the step):
@@ -145,7 +146,8 @@ def quantile_bias(
     center: bool = False,
     rate=1.0,
 ) -> jax.Array:
-    """Quantile Balancing: the bias that would give every expert ~N*K/E of this batch's tokens.
+    """Quantile Balancing (docs/load_balancing.md section 5): the bias that would give every
+    expert ~N*K/E of this batch's tokens.
 
     No step size. For token t and expert i, with the other experts' current biases fixed, t picks i
     iff s[t,i] + b_i exceeds thr[t,i], the K-th largest biased score among the OTHER experts: the
@@ -285,7 +287,8 @@ def sequence_balance_loss(
     bias: jax.Array | None = None,
     indices: jax.Array | None = None,
 ) -> jax.Array:
-    """Sequence-wise balance loss (DeepSeek-V3 Eqs. 17-20), unweighted.
+    """Sequence-wise balance loss (DeepSeek-V3 Eqs. 17-20), unweighted (docs/load_balancing.md
+    sections 6.1 and 6.2).
 
     mode='deepseek' (the paper): per sequence -- or per packed segment when `segment_ids` is given --
     of T valid tokens,
@@ -358,7 +361,8 @@ def global_balance_loss(
     mask: jax.Array | None = None,
     counts: jax.Array | None = None,
 ) -> jax.Array:
-    """Global-batch / Switch balance loss, unweighted: E * sum_i f_i * P_i over the whole batch.
+    """Global-batch / Switch balance loss, unweighted: E * sum_i f_i * P_i over the whole batch
+    (docs/load_balancing.md section 6.3).
 
     f_i = counts_i / (K * N) is the share of assignments (from `counts` when given, e.g. the routed
     and globally summed counts; otherwise the top-K of the unbiased scores), P_i the mean normalised
@@ -382,7 +386,8 @@ def global_balance_loss(
 
 @jax.named_scope("balance_loss")
 def z_loss(logits: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    """Router z-loss (ST-MoE), unweighted: mean over valid tokens of logsumexp_i(z[t, i])^2."""
+    """Router z-loss (ST-MoE), unweighted: mean over valid tokens of logsumexp_i(z[t, i])^2
+    (docs/load_balancing.md section 6.4)."""
     lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [...]
     v = _valid(mask, lse.shape)
     return (lse**2 * v).sum() / jnp.maximum(v.sum(), 1.0)

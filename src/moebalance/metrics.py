@@ -1,4 +1,4 @@
-"""Per-layer load statistics from integer expert counts (LOAD_BALANCING.md section 4).
+"""Per-layer load statistics from integer expert counts (docs/load_balancing.md section 7).
 
 Host-side NumPy on purpose: counts leave the jitted step as exact int32 values and only the trainer
 reduces them. Moments are computed from integer sums (int64), so the variance of integer counts is

@@ -1,6 +1,6 @@
 """Routing: which K of E experts each token uses, and with what weight.
 
-DeepSeek-V3/V4 gate (LOAD_BALANCING.md section 1), in float32 whatever the model dtype:
+DeepSeek-V3/V4 gate (docs/load_balancing.md section 2), in float32 whatever the model dtype:
 
     1. scores  s = score_fn(logits)                  softmax (V2) | sigmoid (V3) | sqrtsoftplus (V4)
     2. select  top-K of (s + b)                      the bias b steers the choice and nothing else
@@ -9,7 +9,8 @@ DeepSeek-V3/V4 gate (LOAD_BALANCING.md section 1), in float32 whatever the model
                w = w / sum(w)  (if normalize)        softmax keeps raw probabilities by default (V2)
                w = w * route_scale
 
-Hash routing (V4's first layers) replaces step 2 by a frozen table lookup `tid2eid[token_id]`.
+Hash routing (V4's first layers) replaces step 2 by a frozen table lookup `tid2eid[token_id]`
+(docs/load_balancing.md section 3, which also describes the tables `build_hash_table` makes).
 
 Ties in top-K go to the lower expert index (the rule of `jax.lax.top_k`), which the NumPy
 references in the tests reproduce with a stable sort.

@@ -1,0 +1,154 @@
+"""The documentation: generated pages current, README short, no citation outside the repository,
+no dead relative link."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+
+# Files that live outside this repository; nothing in it may cite them.
+FOREIGN = ("../shared", "shared/spec", "LOAD_BALANCING.md", "SEED_EXPERIMENT.md", "DEEPSEEK_V4.md")
+SCANNED = ("src", "tests", "benchmarks", "tools", "docs")
+SKIPPED_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis"}
+
+
+def _config_docs():
+    """tools/config_docs.py as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("config_docs", ROOT / "tools" / "config_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def test_config_page_is_what_the_script_writes():
+    page = DOCS / "config.md"
+    assert page.exists(), "docs/config.md is missing: run `python tools/config_docs.py`"
+    assert page.read_text(encoding="utf-8") == _config_docs().render(), (
+        "docs/config.md is stale: run `python tools/config_docs.py`")
+
+
+def test_config_page_lists_every_key():
+    from moebalance.config import describe
+
+    text = (DOCS / "config.md").read_text(encoding="utf-8")
+    missing = [key for key, *_ in describe() if f"| `{key}` |" not in text]
+    assert not missing
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move detail to docs/")
+
+
+def _scanned_files():
+    yield README
+    for top in SCANNED:
+        for path in sorted((ROOT / top).rglob("*")):
+            parts = set(path.relative_to(ROOT).parts)
+            if (not path.is_file() or parts & SKIPPED_DIRS
+                    or any(p.endswith(".egg-info") for p in parts)):
+                continue
+            if path.resolve() == Path(__file__).resolve():
+                continue
+            yield path
+
+
+def test_nothing_cites_files_outside_the_repository():
+    found = []
+    for path in _scanned_files():
+        data = path.read_bytes()
+        for needle in FOREIGN:
+            if needle.encode() in data:
+                line = data[: data.index(needle.encode())].count(b"\n") + 1
+                found.append(f"{path.relative_to(ROOT)}:{line}: {needle}")
+    assert not found, "cites files outside the repository:\n" + "\n".join(found)
+
+
+# --- links ---------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_CODE_SPAN = re.compile(r"`+[^`]*`+")
+
+
+def _prose_lines(text: str):
+    """(line number, line) outside fenced code blocks."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, line
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces ->
+    '-'."""
+    text = _CODE_SPAN.sub(lambda m: m.group(0).strip("`"), heading.strip()).lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    anchors = set()
+    for _, line in _prose_lines(path.read_text(encoding="utf-8")):
+        match = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        slug = _slug(match.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _links(path: Path):
+    for number, line in _prose_lines(path.read_text(encoding="utf-8")):
+        for match in _LINK.finditer(_CODE_SPAN.sub("", line)):
+            yield number, match.group(1)
+
+
+def test_slugs_follow_github():
+    assert _slug("Will it fit? `moebalance plan`") == "will-it-fit-moebalance-plan"
+    assert _slug("2. Routing: scores, the selection-only bias") == "2-routing-scores-the-selection-only-bias"
+    assert _slug("Performance on one GPU (H200, bfloat16)") == "performance-on-one-gpu-h200-bfloat16"
+
+
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    bad = []
+    for number, target in _links(page):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (page.parent / file_part).resolve() if file_part else page
+        where = f"{page.relative_to(ROOT)}:{number}: {target}"
+        if not linked.exists():
+            bad.append(f"{where} (no such file)")
+        elif not linked.is_relative_to(ROOT):
+            bad.append(f"{where} (outside the repository)")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            bad.append(f"{where} (no heading with that anchor)")
+    assert not bad, "dead links:\n" + "\n".join(bad)
+
+
+def test_docs_pages_exist():
+    assert (DOCS / "images" / "ab-variance.png").exists()
+    for name in ("experiment", "results", "training", "data", "distributed", "api", "performance",
+                 "config", "load_balancing", "seed_experiment", "architecture"):
+        assert (DOCS / f"{name}.md").exists(), name
