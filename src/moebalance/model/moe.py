@@ -230,7 +230,7 @@ class MoE(nnx.Module):
         c = self.config
         if c.capacity(num_tokens):
             return "capacity"
-        if c.dispatch == "auto":  # ragged_dot is 25x slower than blocks on an H200 (README)
+        if c.dispatch == "auto":  # ragged_dot is 25x slower than blocks on an H200 (docs/performance.md)
             return "ragged" if jax.default_backend() == "tpu" else "blocked"
         return c.dispatch
 

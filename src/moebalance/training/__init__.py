@@ -1,1 +1,2 @@
-"""Training: the train step, data, checkpoints and the loop."""
+"""Training: the train step, the loop and its hooks, the bias calibration, evaluation,
+checkpoints, sharding over the mesh, and the memory planner."""

@@ -129,9 +129,11 @@ class ProgressBar(Hook):
         self.bar = Progress(TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                             TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                             console=console)
+        self.running = False
 
     def start(self, first, steps):
         self.bar.start()
+        self.running = True
         self.task = self.bar.add_task("train", total=steps, completed=first,
                                       status="compiling...")
 
@@ -140,10 +142,12 @@ class ProgressBar(Hook):
                         f"{record['tokens_per_s']:.0f} tok/s  MaxVio {mean_topk_maxvio(record):.3f}")
 
     def end(self, record):
-        self.bar.stop()
+        self.close()
 
     def close(self):
-        self.bar.stop()
+        if self.running:  # rich prints a line at every stop on a non-terminal console
+            self.bar.stop()
+            self.running = False
 
 
 class Printer(Hook):

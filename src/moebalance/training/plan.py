@@ -38,7 +38,7 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
 Not counted: XLA's own temporaries beyond that working set (fusion can also drop residuals it
 recomputes), the [chunk, V] cross-entropy logits (32 MiB), framework and allocator overhead. The
 test compares the parameter and optimizer bytes with a real sharded model on 8 devices; the
-README compares the activations with XLA's compiled memory analysis of a small config.
+docs/distributed.md compares the activations with XLA's compiled memory analysis of a small config.
 
 All-to-all traffic (expert parallelism, R = expert-axis size > 1): per MoE layer and micro-batch a
 device sends R * S rows (S = ceil(ep_buffer_factor * A / R) slots per rank on the fast path, A on
