@@ -1,6 +1,8 @@
 import io
 import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -204,6 +206,12 @@ def test_load_run_checks_the_probe(tmp_path):
     (run / "probe_counts.json").unlink()
     with pytest.raises(FileNotFoundError, match="probe_counts.json"):
         report.load_run(run)
+
+
+def test_reading_runs_does_not_import_matplotlib():
+    """matplotlib is imported only where the figures are drawn (moebalance.report.plots)."""
+    code = "import sys, moebalance.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_compare_report_three_runs(tmp_path):

@@ -1,0 +1,65 @@
+"""report.html: one self-contained page with the table, the figures and each run's config."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+import yaml
+
+from moebalance.report.tables import table_cells
+
+
+def _config_differences(configs: dict[str, dict]) -> list[tuple[str, list]]:
+    keys = sorted({key for config in configs.values() for key in config})
+    values = {key: [config.get(key) for config in configs.values()] for key in keys}
+    return [(key, v) for key, v in values.items() if any(x != v[0] for x in v)]
+
+
+_CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}"
+        "table{border-collapse:collapse;margin:1em 0}"
+        "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+        "th{background:#f0f0f0}.results tbody tr:last-child{font-weight:bold}"
+        "img{max-width:100%;display:block;margin:1em 0}"
+        "pre{background:#f6f6f6;padding:1em;overflow:auto}")
+
+
+def _html_table(headers: list[str], rows: list[list[str]], css_class: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return (f'<table class="{css_class}"><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>")
+
+
+def write_html(out_dir, table: dict, pngs, configs: dict[str, dict],
+               title: str = "moebalance load-balancing report") -> Path:
+    """One self-contained report.html: the table, the PNGs embedded as base64, each run's config.
+
+    configs maps a run label to its config dict; settings that differ between runs are listed
+    first.
+    """
+    headers, rows, notes = table_cells(table)
+    parts = [f"<h1>{html.escape(title)}</h1>", _html_table(headers, rows, "results"),
+             *(f"<p>{html.escape(note)}</p>" for note in notes)]
+    differences = _config_differences(configs)
+    if len(configs) > 1 and differences:
+        parts += ["<h2>Settings that differ</h2>",
+                  _html_table(["key", *configs], [[key, *map(json.dumps, v)]
+                                                  for key, v in differences], "settings")]
+    parts.append("<h2>Figures</h2>")
+    for png in map(Path, pngs):
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        parts.append(f'<img alt="{html.escape(png.name)}" src="data:image/png;base64,{data}">')
+    parts.append("<h2>Configurations</h2>")
+    for label, config in configs.items():
+        parts += [f"<h3>{html.escape(label)}</h3>",
+                  f"<pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}</pre>"]
+    page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>"
+            + "\n".join(parts) + "</body></html>\n")
+    path = Path(out_dir) / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path
