@@ -317,7 +317,11 @@ def setup_logging(level: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; every error the user can fix ends in one line on stderr and exit code
+    2, a run stopped by SIGINT / SIGTERM in 130 / 143 (its checkpoint saved), Ctrl-C elsewhere in
+    130."""
     from moebalance.config import ConfigError
+    from moebalance.rundir import RunStopped
 
     args = build_parser().parse_args(argv)
     setup_logging(logging.WARNING if args.quiet else logging.DEBUG if args.verbose
@@ -327,8 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (ConfigError, FileExistsError, FileNotFoundError, FloatingPointError,
-            ValueError) as err:
+    except RunStopped as stop:
+        print(f"moebalance: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:
+        print("moebalance: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, OSError, FloatingPointError, ValueError) as err:
         print(f"moebalance: {err}", file=sys.stderr)
         return 2
 

@@ -116,6 +116,12 @@ def load(run_dir) -> Generator:
     model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)  # the checkpoint has it
     step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
+        reason = (str(err) or type(err).__name__).splitlines()[0]
+        raise ValueError(f"{tokenizer_file} is not a tokenizer the run can use ({reason}); copy "
+                         "the tokenizer.json the run trained with (in the data cache) there"
+                         ) from None
     tokenizer.encode_special_tokens = True  # as in training: literal <|endoftext|> is text
     return Generator(cfg, model, tokenizer, step)

@@ -16,14 +16,22 @@
     tensorboard/          TensorBoard event files (loss, lr, balance losses, MaxVio per layer)
     checkpoints/N         Orbax checkpoints after N steps (training/checkpoint.py writes them)
 
-Only process 0 of a run writes here (the trainer decides); every process may read.
+One process writes a run directory at a time: the writer holds an OS file lock on `.lock` inside
+it for the run's life (`RunDir.writing`); a second writer is refused naming the process that holds
+it. (On several hosts only process 0 writes here; every process may read.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import logging
+import os
 import shutil
+import socket
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +48,27 @@ PROBE = "probe_counts.json"
 TOKENIZER = "tokenizer.json"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
+LOCK = ".lock"
 RUN_FILES = (CONFIG, METRICS, COUNTS, COUNTS_SHAPE, PROBE, TOKENIZER, TENSORBOARD, CHECKPOINTS)
 
 
+log = logging.getLogger(__name__)
+
+
 class RunDirError(FileExistsError):
-    """A run directory that cannot be used as asked (it holds a run, or another config's)."""
+    """A run directory that cannot be used as asked (it holds a run, another config's, or another
+    process writes it)."""
+
+
+class RunStopped(Exception):
+    """SIGINT or SIGTERM stopped a run after a step, whose checkpoint was saved: `--resume`
+    continues it. `exit_code` is the shell's for a process ended by that signal (130 for SIGINT,
+    143 for SIGTERM), so that schedulers see the run as stopped, not finished."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint saved, "
+                         "continue with --resume")
+        self.exit_code = 128 + signum
 
 
 class RunDir:
@@ -55,6 +79,56 @@ class RunDir:
         self.tensorboard = self.path / TENSORBOARD
         self.checkpoints = self.path / CHECKPOINTS
         self.tokenizer = self.path / TOKENIZER
+        self._lock = None  # the open .lock file while this process is the writer
+
+    # ---- one writer ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def writing(self, writer: bool = True):
+        """The block writes this run directory (when `writer`; other processes of a multi-process
+        run only read): it holds the directory's lock from now (or from `create`, for a directory
+        that does not exist yet) until the block ends. Fails early when the directory cannot be
+        written."""
+        if writer:
+            self._check_writable()
+            if self.path.is_dir():
+                self._acquire()
+        try:
+            yield self
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # closing the file releases the lock
+                self._lock = None
+
+    def _check_writable(self) -> None:
+        """Raise PermissionError unless this directory, or where it will be made, takes files:
+        tried with a temporary directory in the nearest existing one, removed at once."""
+        existing = next(p for p in (self.path, *self.path.parents) if p.exists())
+        if not existing.is_dir():
+            raise PermissionError(f"{self.path} cannot be written: {existing} is not a directory; "
+                                  "choose another --out")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".moebalance-", dir=existing))
+        except OSError as err:
+            raise PermissionError(f"{self.path} cannot be written ({existing}: {err.strerror}); "
+                                  "choose another --out") from None
+
+    def _acquire(self) -> None:
+        if self._lock is not None:
+            return
+        lock = open(self.path / LOCK, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise RunDirError(f"{self.path} is being written by {holder}; wait for it to finish "
+                              "or stop it, or choose another --out") from None
+        lock.truncate(0)
+        lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        self._lock = lock
 
     # ---- starting, resuming ------------------------------------------------------------------
 
@@ -75,19 +149,22 @@ class RunDir:
                               "own config.yaml")
 
     def create(self, cfg: Config, overwrite: bool, tokenizer=None) -> None:
-        """Start a run here: empty an earlier one (only with `overwrite`), write the config, the
-        counts' row shape and the tokenizer (a `tokenizers.Tokenizer`, or None)."""
+        """Start a run here: empty an earlier one (only with `overwrite`), write the counts' row
+        shape, the tokenizer (a `tokenizers.Tokenizer`, or None) and, last and atomically, the
+        config: a directory holds a run once its config.yaml is there."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._acquire()
         for f in self.check_new(overwrite):
             if (self.path / f).is_dir():
                 shutil.rmtree(self.path / f)
             else:
                 (self.path / f).unlink()
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / CONFIG).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
         (self.path / COUNTS_SHAPE).write_text(json.dumps(
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
         if tokenizer is not None:
             write_atomic(self.tokenizer, lambda f: f.write(tokenizer.to_str().encode()))
+        config = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+        write_atomic(self.path / CONFIG, lambda f: f.write(config.encode()))
 
     def rewind(self, step: int) -> None:
         """Drop what steps >= `step` wrote (they ran after the checkpoint being resumed)."""
@@ -155,9 +232,22 @@ class RunDir:
         return (self.path / PROBE).exists() and str(steps) in self.probe()["counts"]
 
     def _metric_lines(self) -> list[str]:
+        """metrics.jsonl's lines; a last line that is not JSON (a crash mid-write) is dropped with
+        a warning, any other line that is not JSON raises naming the file and the line."""
         path = self.path / METRICS
-        return [line for line in path.read_text().splitlines() if line.strip()] if (
+        lines = [line for line in path.read_text().splitlines() if line.strip()] if (
             path.exists()) else []
+        for number, line in enumerate(lines, 1):
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                if number < len(lines):
+                    raise ValueError(f"{path}, line {number}, is not JSON ({err}); the file is "
+                                     "damaged") from None
+                log.warning("%s: dropped its last line, a record cut short (%d characters; the "
+                            "run stopped while writing it)", path, len(line))
+                return lines[:-1]
+        return lines
 
     def _counts_row(self) -> list[int]:
         return json.loads((self.path / COUNTS_SHAPE).read_text())["row_shape"]

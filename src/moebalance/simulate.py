@@ -24,7 +24,6 @@ from moebalance.metrics import load_stats
 RULES = (*balancing.BIAS_RULES, "quantile")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Simulation:
     num_experts: int = 16
@@ -35,6 +34,13 @@ class Simulation:
     skew: float = 1.0
     period: int = 2000  # steps per full drift cycle
     seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_experts", "tokens", "hidden", "period"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"the simulation needs {name} >= 1, got {getattr(self, name)}")
+        routing.check_topk(self.k, self.num_experts)
+        routing.check_score_fn(self.score_fn)
 
 
 def _stream(sim: Simulation):

@@ -24,13 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from moebalance.report.page import write_html
-from moebalance.report.runs import Run, load_run, run_files
+from moebalance.report.runs import Run, load_run
 from moebalance.report.tables import (column_groups, compare_table, format_markdown, layer_table,
                                       print_table, table_cells)
 
 __all__ = ["PLOTS", "REPORT_FILES", "Run", "ab_report", "column_groups", "compare_report",
            "compare_table", "format_markdown", "layer_table", "load_run", "print_table",
-           "run_files", "table_cells", "write_html"]
+           "table_cells", "write_html"]
 
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
 REPORT_FILES = ("table.md", "table.json", *PLOTS, "report.html")
@@ -59,12 +59,9 @@ def _write_outputs(out: Path, table: dict, runs: list[tuple[str, Run]], title: s
     pngs = [plot(runs, out / name) for plot, name in zip(
         (plots.plot_variance, plots.plot_heatmaps, plots.plot_maxvio, plots.plot_loss), PLOTS)]
     write_html(out, table, pngs, {name: run.config for name, run in runs}, title)
-    if console is None:
-        from rich.console import Console
-
-        console = Console()
-    print_table(table, console)
-    console.print(f"The whole table in one piece: {out / 'table.md'}")
+    if console is not None:
+        print_table(table, console)
+        console.print(f"The whole table in one piece: {out / 'table.md'}")
 
 
 def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> dict:
@@ -72,7 +69,8 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
 
     Both runs must have measured the same probe batch from the same initial weights (identical
     step-0 counts) and stopped after the same number of steps. Writes table.md, table.json, the
-    PNGs and report.html into `out`; prints the table; returns the table dict.
+    PNGs and report.html into `out`; prints the table on `console` (a rich Console; None prints
+    nothing); returns the table dict.
     """
     out = Path(out)
     a, b = load_run(run_a), load_run(run_b)

@@ -1,25 +1,15 @@
-"""A finished run directory, read and checked: `load_run` -> `Run`.
-
-A run directory (written by the trainer) holds:
-    config.yaml          the resolved configuration
-    metrics.jsonl        one JSON object per step: loss, ..., and `layers` (per-layer load stats)
-    probe_counts.json    the expert counts of ONE fixed evaluation batch, before any update and
-                         after the last step: {"tokens": N, "routing": [kind per layer],
-                         "counts": {"0": [L][E] ints, "<N>": [L][E] ints}}, and optionally
-                         "refit": {"<N>": [L][E] ints}, the last step's probe with the top-k
-                         biases refitted to fresh training batches (the best a bias does here),
-                         and "online": {"<N>": [L][E] ints} when the run calibrated its biases
-                         after the last step: the probe with the bias the online rule left
+"""A finished run directory, read (through moebalance.rundir, which knows its files) and
+checked: `load_run` -> `Run`. The probe's counts (probe_counts.json, see rundir) must be
+consistent: step 0 and the last step present, [layers, num_experts] each, K per token.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import numpy as np
-import yaml
+
+from moebalance.rundir import METRICS, PROBE, RunDir
 
 # the routing kinds a run may hold, and their names in the tables
 ROUTING_LABELS = {"hash": "Hash Routed", "topk": "Top-K Routed"}
@@ -42,36 +32,16 @@ class Run:
     online: np.ndarray | None = None  # [L, E] final probe counts before the calibration, if any
 
 
-def run_files(run_dir, *names: str) -> Path:
-    """Check that `run_dir` is a run directory holding `names` (config.yaml first); a missing
-    directory or file raises FileNotFoundError naming it and what was expected there."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist (expected a directory "
-                                "written by `moebalance train`, or an A/B experiment's "
-                                "run_a/run_b)")
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml (the "
-                                "trainer writes one into every run; for an A/B experiment give "
-                                "its run_a or run_b)")
-    for name in names:
-        if not (run_dir / name).is_file():
-            raise FileNotFoundError(f"{run_dir / name} is missing: is {run_dir} a finished run?")
-    return run_dir
-
-
 def load_run(path) -> Run:
     """Read a run directory; a missing file or an inconsistent probe raises with the reason."""
-    path = run_files(path, "metrics.jsonl", "probe_counts.json")
-    config = yaml.safe_load((path / "config.yaml").read_text()) or {}
-    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    run = RunDir(path).require(METRICS, PROBE)
+    path, config, metrics = run.path, run.config_dict(), run.metrics()
     if not metrics:
-        raise ValueError(f"{path / 'metrics.jsonl'} holds no step")
-    probe = json.loads((path / "probe_counts.json").read_text())
+        raise ValueError(f"{path / METRICS} holds no step")
+    probe = run.probe()
     counts = {int(step): np.asarray(c, np.int64) for step, c in probe["counts"].items()}
     if 0 not in counts:
-        raise ValueError(f"{path / 'probe_counts.json'} has no step-0 counts (key \"0\")")
+        raise ValueError(f"{path / PROBE} has no step-0 counts (key \"0\")")
     final_step = max(counts)
     routing = tuple(probe["routing"])
     tokens, k = int(probe["tokens"]), config["num_experts_per_tok"]

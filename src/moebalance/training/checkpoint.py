@@ -6,10 +6,16 @@ temporary directory and renames it into place, and keeps the last `max_num_check
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
+
+log = logging.getLogger(__name__)
 
 
 def manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
@@ -25,31 +31,66 @@ def _pure(model, optimizer) -> dict:
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
 
 
+@jax.jit
+def _all_finite(arrays: list) -> list:
+    return [jnp.isfinite(x).all() for x in arrays]
+
+
+def non_finite(model, optimizer) -> str | None:
+    """The path of the first floating-point variable of model or optimizer state holding a NaN
+    or an infinity, or None (one compiled reduction over all of them)."""
+    flat = jax.tree_util.tree_flatten_with_path(_pure(model, optimizer))[0]
+    floats = [(path, x) for path, x in flat if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    finite = jax.device_get(_all_finite([x for _, x in floats]))
+    return next((jax.tree_util.keystr(path) for (path, _), ok in zip(floats, finite) if not ok),
+                None)
+
+
 def save(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> None:
-    """Checkpoint the state after `step` optimizer steps."""
+    """Checkpoint the state after `step` optimizer steps; a state with a non-finite value is
+    refused (FloatingPointError naming the first such variable), so no checkpoint is garbage."""
+    bad = non_finite(model, optimizer)
+    if bad:
+        raise FloatingPointError(f"step {step}: {bad} holds non-finite values; not saved (the "
+                                 "last checkpoint is kept; lower learning_rate or check the data)")
     mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_pure(model, optimizer)),
         meta=ocp.args.JsonSave({"step": step})))
     mgr.wait_until_finished()
 
 
-def restore(mgr: ocp.CheckpointManager, model, optimizer) -> int:
-    """Load the latest checkpoint into model and optimizer; returns its step."""
-    step = mgr.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
-    try:
-        restored = mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_pure(model, optimizer)),
-            meta=ocp.args.JsonRestore()))
-    except Exception as err:  # orbax raises many types for a damaged checkpoint
-        raise ValueError(f"checkpoint {mgr.directory / str(step)} cannot be read ({err}); "
-                         "delete it to resume from the one before") from err
+def load(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> int:
+    """Load checkpoint `step` into model and optimizer; returns the step it holds."""
+    restored = mgr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_pure(model, optimizer)), meta=ocp.args.JsonRestore()))
     for obj, key in ((model, "model"), (optimizer, "optimizer")):
         state = nnx.state(obj)
         nnx.replace_by_pure_dict(state, restored["state"][key])
         nnx.update(obj, state)
     return int(restored["meta"]["step"])
+
+
+def restore(mgr: ocp.CheckpointManager, model, optimizer, *, set_aside: bool = True) -> int:
+    """Load the newest checkpoint that reads back whole into model and optimizer; returns its
+    step. A newer one that does not (a file cut short by a crash, a missing file) is skipped with
+    a warning and, with `set_aside`, moved to `<step>.damaged`, so that a resumed run saves its
+    own checkpoint of that step later."""
+    steps = sorted(mgr.all_steps(), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
+    for step in steps:
+        try:
+            return load(mgr, step, model, optimizer)
+        except Exception as err:  # orbax raises many types for a damaged checkpoint
+            reason = (str(err).strip() or type(err).__name__).splitlines()[0][:200]
+            where = Path(mgr.directory) / str(step)
+            if set_aside:
+                os.replace(where, where.with_name(f"{step}.damaged"))
+                mgr.reload()
+            log.warning("checkpoint %s cannot be read (%s)%s; trying the one before", where,
+                        reason, f", moved to {step}.damaged" if set_aside else "")
+    raise ValueError(f"no checkpoint in {mgr.directory} can be read (steps {steps}); start the "
+                     "run again with --overwrite")
 
 
 def restore_latest(directory: Path, model, optimizer) -> int:
@@ -60,4 +101,4 @@ def restore_latest(directory: Path, model, optimizer) -> int:
         raise FileNotFoundError(f"{directory} does not exist: the run has not saved a checkpoint "
                                 "yet (the trainer saves one every checkpoint_period steps and at "
                                 "the end)")
-    return restore(manager(directory), model, optimizer)
+    return restore(manager(directory), model, optimizer, set_aside=False)

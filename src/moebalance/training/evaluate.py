@@ -57,6 +57,10 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
 
     ce_sum, n_tokens, counts = measure()
     loss = ce_sum / n_tokens
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"{run.checkpoints / str(step)} gives the loss {loss}: its "
+                                 "weights are not finite (a run that diverged before the trainer "
+                                 "checked its gradients); resume from an earlier checkpoint")
     routed = routed_layers(model)
     layers = [{"layer": i, "routing": "topk" if i in routed else "hash",
                "maxvio_global": float(m)} for i, m in enumerate(maxvio_global(counts))]

@@ -4,10 +4,11 @@
 run shows and logs attaches as hooks (training/hooks.py); the bias calibration after the last step
 and the refit are in training/calibration.py.
 
-SIGINT / SIGTERM finish the current step, save a checkpoint and return; `resume=True` continues
-from the latest checkpoint, bit-exactly (the data of a step is a function of the step, so the step
-is the data position; training draws no random numbers). On several hosts every process runs this
-loop on its own rows of the batch; process 0 writes the run directory and calls the hooks.
+Once the steps run, SIGINT / SIGTERM finish the current step, save a checkpoint and raise
+RunStopped; `resume=True` continues from the latest checkpoint, bit-exactly (the data of a step is
+a function of the step, so the step is the data position; training draws no random numbers), or
+starts over when the run stopped before its first checkpoint. On several hosts every process runs
+this loop on its own rows of the batch; process 0 writes the run directory and calls the hooks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, rank_loads
 from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.routing import build_hash_table
-from moebalance.rundir import RunDir
+from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, sharding
 from moebalance.training.calibration import final_probe
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
@@ -39,69 +40,72 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     what to show besides the run's files (e.g. `hooks.terminal()`). program: run on the step
     compiled for this config (make_train_step), e.g. Run B's for Run A: one compilation."""
     sharding.initialize_distributed(cfg)
-    run, writer = RunDir(out), jax.process_index() == 0
-    if resume:
-        run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS)
-    else:
-        run.check_new(overwrite)
-    mesh = sharding.make_mesh(cfg)
-    train_data = data.batches(cfg, "train")  # checks the data before anything is written
-    probe = probe_batch(cfg, mesh)
-    sharding.sync_processes("run directory checked")  # by all, before process 0 writes to it
-    if writer and not resume:
-        run.create(cfg, overwrite, train_data.tokenizer)
-    model, optimizer = build(cfg, mesh, train_data)
-    checkpoints = checkpoint.manager(run.checkpoints, cfg.max_num_checkpoints_to_keep)
-    first = checkpoint.restore(checkpoints, model, optimizer) if resume else 0
-    if resume and writer:
-        run.rewind(first)
-    step_fn = make_train_step(cfg, model, mesh, program)
-    eval_step = make_eval_step(cfg, model, mesh)
-    routing = ["topk" if i in routed_layers(model) else "hash"
-               for i in range(cfg.base_num_decoder_layers)]
-    tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
-    if first == 0:  # every process measures (collectives), process 0 writes
-        counts = jax.device_get(eval_step(model, *probe)["counts"])
-        if writer:
-            run.write_probe(0, counts, routing, probe[1].size)
-    record = {}
-    with StopRequest() as stop, Hooks([StepLogFile(run), TensorBoard(run), *hooks]
-                                      if writer else []) as sinks:
-        sinks.start(first, cfg.steps)
-        for step in range(first, cfg.steps):
-            start = time.perf_counter()
-            batch = sharding.global_batch(mesh, *train_data.batch(step))
-            metrics = jax.device_get(step_fn(model, optimizer, *batch))
-            record, counts = step_record(step, metrics, time.perf_counter() - start, tokens,
-                                         routing, mesh.shape["expert"])
-            sinks.step(record, counts)
-            if step + 1 == cfg.steps:
-                final = final_probe(cfg, model, mesh, eval_step, probe, train_data)
-                if final["calibration"]:
-                    sinks.note(f"biases calibrated on the last {final['calibration']} training "
-                               "batches at the final weights")
-                if writer:
-                    run.write_probe(cfg.steps, final["counts"], routing, probe[1].size,
-                                    final["refit"], final["online"])
-            if (step + 1) % cfg.checkpoint_period == 0 or step + 1 == cfg.steps or stop.signal:
-                checkpoint.save(checkpoints, step + 1, model, optimizer)
-            if stop.signal:
-                sinks.note(f"stopped by signal {stop.signal} after step {step}; checkpoint "
-                           "saved, continue with --resume")
-                return record
-        if record:
-            sinks.end(record)
+    writer = jax.process_index() == 0
+    with RunDir(out).writing(writer) as run:
+        if resume:
+            run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS)
+        else:
+            run.check_new(overwrite)
+        mesh = sharding.make_mesh(cfg)
+        train_data = data.batches(cfg, "train")  # checks the data before anything is written
+        probe = probe_batch(cfg, mesh)
+        sharding.sync_processes("run directory checked")  # by all, before process 0 writes
+        if writer and not resume:
+            run.create(cfg, overwrite, train_data.tokenizer)
+        model, optimizer = build(cfg, mesh, train_data)
+        checkpoints = checkpoint.manager(run.checkpoints, cfg.max_num_checkpoints_to_keep)
+        first = checkpoint.restore(checkpoints, model, optimizer) if (
+            resume and run.has_checkpoint()) else 0  # stopped before its first: start over
+        if resume and writer:
+            run.rewind(first)
+        step_fn = make_train_step(cfg, model, mesh, program)
+        eval_step = make_eval_step(cfg, model, mesh)
+        routing = ["topk" if i in routed_layers(model) else "hash"
+                   for i in range(cfg.base_num_decoder_layers)]
+        tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
+        if first == 0:  # every process measures (collectives), process 0 writes
+            counts = jax.device_get(eval_step(model, *probe)["counts"])
+            if writer:
+                run.write_probe(0, counts, routing, probe[1].size)
+        record = {}
+        sinks = Hooks([StepLogFile(run), TensorBoard(run), *hooks] if writer else [])
+        with StopRequest() as stop, sinks:
+            sinks.start(first, cfg.steps)
+            for step in range(first, cfg.steps):
+                start = time.perf_counter()
+                batch = sharding.global_batch(mesh, *train_data.batch(step))
+                metrics = jax.device_get(step_fn(model, optimizer, *batch))
+                record, counts = step_record(step, metrics, time.perf_counter() - start, tokens,
+                                             routing, mesh.shape["expert"])
+                sinks.step(record, counts)
+                if step + 1 == cfg.steps:
+                    final = final_probe(cfg, model, mesh, eval_step, probe, train_data)
+                    if final["calibration"]:
+                        sinks.note(f"biases calibrated on the last {final['calibration']} "
+                                   "training batches at the final weights")
+                    if writer:
+                        run.write_probe(cfg.steps, final["counts"], routing, probe[1].size,
+                                        final["refit"], final["online"])
+                if (step + 1) % cfg.checkpoint_period == 0 or step + 1 == cfg.steps or stop.signal:
+                    checkpoint.save(checkpoints, step + 1, model, optimizer)
+                if stop.signal:
+                    raise RunStopped(stop.signal, step)
+            if record:
+                sinks.end(record)
     return record
 
 
 def step_record(step: int, metrics: dict, seconds: float, tokens: int, routing: list[str],
                 ranks: int) -> tuple[dict, np.ndarray]:
     """A step's metrics record (metrics.jsonl's line; `tokens` per step) and its [L, E] int32
-    expert counts; a non-finite loss stops the run here, before its state is saved."""
-    if not math.isfinite(float(metrics["loss"])):
-        raise FloatingPointError(
-            f"step {step}: the loss is {float(metrics['loss'])}; stopping (lower "
-            "learning_rate or check the data); the last good checkpoint is kept")
+    expert counts; a non-finite loss or gradient norm (whose update made the weights garbage)
+    stops the run here, before its state is saved."""
+    for name in ("loss", "grad_norm"):
+        if not math.isfinite(float(metrics[name])):
+            raise FloatingPointError(
+                f"step {step}: the {name.replace('_', ' ')} is {float(metrics[name])}; stopping "
+                "before its state is saved (lower learning_rate or check the data); the last "
+                "checkpoint is kept")
     counts = np.asarray(metrics.pop("counts"), np.int32)
     biases = np.asarray(metrics.pop("bias")) if "bias" in metrics else None
     record = {"step": step, **{k: float(v) for k, v in metrics.items()},
