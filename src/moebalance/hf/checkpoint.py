@@ -176,15 +176,19 @@ def dequantize(name: str, tensors, expected_shape, block: int = 128) -> np.ndarr
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if index.exists():  # its weight_map may only name existing files inside `path`
+        files = st.read_index(index)
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
-    tensors = {}
+    tensors, source = {}, {}
     for file in files:
-        tensors.update(st.load(path / file))
+        for name, value in st.load(path / file).items():
+            if name in tensors:
+                raise st.SafetensorsError(f"{path}: tensor {name!r} is in both {source[name]} "
+                                          f"and {file}")
+            tensors[name], source[name] = value, file
     return tensors
 
 
