@@ -1,6 +1,7 @@
 """The data tests' shared material: made-up corpora on disk, their config, and the fixture
 `corpus` (a test module imports it by name to use it)."""
 
+import os
 import random
 from pathlib import Path
 
@@ -52,3 +53,7 @@ def documents_of(stream: np.ndarray, eot_id: int) -> list[np.ndarray]:
     ends = np.flatnonzero(stream == eot_id)
     assert ends.size and ends[-1] == len(stream) - 1
     return np.split(np.asarray(stream), ends + 1)[:-1]
+
+
+# root reads a file whatever its mode, so chmod cannot make one unreadable for the tests
+needs_permissions = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files of mode 000")

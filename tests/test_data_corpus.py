@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data_fixtures import corpus, text_config  # noqa: F401 (corpus: a fixture)
+from data_fixtures import corpus, needs_permissions, text_config  # noqa: F401 (corpus)
 from moebalance import data
 from moebalance.config import load_config
 
@@ -77,3 +77,14 @@ def test_single_document_is_an_error(tmp_path):
     (tmp_path / "one.py").write_text("only one document here\n")
     with pytest.raises(data.DataError, match="at least 2 files"):
         data.TextBatches(text_config(tmp_path, tmp_path / "one.py"), "train")
+
+
+@needs_permissions
+def test_unreadable_file_or_directory_is_an_error(tmp_path, corpus):
+    root, docs = corpus
+    (root / next(iter(docs))).chmod(0)
+    with pytest.raises(data.DataError, match="dataset_path.*cannot read .*mod_0.py .*chmod"):
+        data.corpus_files(text_config(tmp_path, root))
+    root.chmod(0)
+    with pytest.raises(data.DataError, match="dataset_path.*cannot read .*corpus \\(Permission"):
+        data.corpus_files(text_config(tmp_path, root))

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 import moebalance.data.tokenizer as tokenizer_module
-from data_fixtures import corpus, documents_of, text_config  # noqa: F401 (corpus: a fixture)
+from data_fixtures import WORDS, corpus, documents_of, text_config  # noqa: F401 (corpus)
 from moebalance import data
 
 
@@ -58,6 +58,30 @@ def test_given_tokenizer_is_used(tmp_path, corpus):
     assert batches.tokenizer.to_str() == Tokenizer.from_file(str(tmp_path / "tok.json")).to_str()
 
 
+def test_long_documents_are_trained_on_and_encoded_in_pieces(tmp_path, corpus, monkeypatch):
+    root, texts = corpus
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 64)
+    texts["long/words.py"] = " ".join(WORDS * 10)  # cut at word ends: encodes as one piece would
+    texts["long/run.py"] = "x" * 150 + " then words"  # no word end in reach: cut at the limit
+    (root / "long").mkdir()
+    for name in ("long/words.py", "long/run.py"):
+        (root / name).write_text(texts[name])
+        parts = tokenizer_module.pieces(texts[name])
+        assert len(parts) > 2 and "".join(parts) == texts[name]
+        assert all(0 < len(part) <= 64 for part in parts)
+    cfg = text_config(tmp_path, root)
+    encoded = {}
+    for split in ("train", "eval"):
+        source = data.TextBatches(cfg, split)
+        stream = np.load(next((tmp_path / "cache").glob(f"*/{split}-*.npy")))
+        for ids in documents_of(stream, source.eot_id):
+            encoded[source.tokenizer.decode(ids[:-1].tolist())] = ids[:-1].tolist()
+    assert sorted(encoded) == sorted(texts.values())  # every document, decoded back whole
+    tok = source.tokenizer
+    for name, text in texts.items():  # as in one piece (as before), unless cut inside a word
+        assert name == "long/run.py" or encoded[text] == tok.encode(text).ids
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 
@@ -75,3 +99,27 @@ def test_tokenizer_smaller_than_the_byte_alphabet_is_an_error(tmp_path, corpus):
     root, _ = corpus
     with pytest.raises(data.DataError, match="tokenizer_vocab_size.*at least 257"):
         data.TextBatches(text_config(tmp_path, root, tokenizer_vocab_size=200), "train")
+
+
+@pytest.mark.parametrize("content", [b"just some text\n", b"", b'{"model": "not a tokenizer"}',
+                                     b"[1, 2, 3]", b"\xff\xfe binary"])
+def test_tokenizer_path_that_is_not_a_tokenizer_is_an_error(tmp_path, corpus, content):
+    root, _ = corpus
+    (tmp_path / "tok.json").write_bytes(content)
+    cfg = text_config(tmp_path, root, tokenizer_path=str(tmp_path / "tok.json"))
+    with pytest.raises(data.DataError, match="tokenizer_path.*cannot load .*tok.json as a "
+                                             "tokenizer .*Tokenizer.save") as err:
+        data.TextBatches(cfg, "train")
+    assert "\n" not in str(err.value)
+
+
+def test_tokenizer_without_endoftext_is_an_error(tmp_path, corpus):
+    root, _ = corpus
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["a b c"], trainers.BpeTrainer(
+        vocab_size=270, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tok.json"))
+    cfg = text_config(tmp_path, root, tokenizer_path=str(tmp_path / "tok.json"))
+    with pytest.raises(data.DataError, match="tokenizer_path.*no <\\|endoftext\\|> token"):
+        data.TextBatches(cfg, "train")

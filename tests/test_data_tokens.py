@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_fixtures import SEQ
+from data_fixtures import SEQ, needs_permissions
 from moebalance import data
 from moebalance.config import load_config
 
@@ -22,13 +22,17 @@ def _token_dataset(root: Path, docs: list[list[int]], eot: int, dtype: str, suff
     return path
 
 
+def _tokens_config(root: Path, **overrides):
+    values = dict(dataset_type="tokens", dataset_path=[str(root)], max_target_length=8)
+    return load_config("deepseek4-smoke", {**values, **overrides})
+
+
 @pytest.mark.parametrize("dtype, suffix", [("uint16", ".bin"), ("uint32", ".npy")])
 def test_token_files_tail_split_at_a_document_boundary(tmp_path, dtype, suffix):
     rng = np.random.default_rng(0)
     docs = [rng.integers(1, 200, rng.integers(3, 30)).tolist() for _ in range(40)]
     _token_dataset(tmp_path, docs, 0, dtype, suffix)
-    cfg = load_config("deepseek4-smoke", dict(dataset_type="tokens", dataset_path=[str(tmp_path)],
-                                              max_target_length=SEQ, eval_fraction=0.25))
+    cfg = _tokens_config(tmp_path, max_target_length=SEQ, eval_fraction=0.25)
     train, held = data.TextBatches(cfg, "train"), data.TextBatches(cfg, "eval")
     everything = np.concatenate([np.array(d + [0]) for d in docs])
     cut = train.tokens_in_split
@@ -44,8 +48,7 @@ def test_token_files_tail_split_at_a_document_boundary(tmp_path, dtype, suffix):
 def test_token_files_with_a_held_out_file_and_their_errors(tmp_path):
     _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
     np.array([9, 9, 1] * 20, np.uint16).tofile(tmp_path / "val.bin")
-    cfg = load_config("deepseek4-smoke", dict(dataset_type="tokens", dataset_path=[str(tmp_path)],
-                                              max_target_length=8))
+    cfg = _tokens_config(tmp_path)
     held = data.TextBatches(cfg, "eval")
     val = [9, 9, 1] * 20
     assert held.batch(0)[0][0, 0].tolist() in [val[r * 8: r * 8 + 9] for r in range(held.num_rows)]
@@ -54,16 +57,68 @@ def test_token_files_with_a_held_out_file_and_their_errors(tmp_path):
     with pytest.raises(ValueError, match="token ids >= vocab_size=256"):
         data.TextBatches(cfg, "eval")
     with pytest.raises(ValueError, match="`tokenizer_path`: .* is not a file"):
-        data.TextBatches(load_config("deepseek4-smoke", dict(
-            dataset_type="tokens", dataset_path=[str(tmp_path)], tokenizer_path="/nope.json")))
+        data.TextBatches(_tokens_config(tmp_path, tokenizer_path="/nope.json"))
     tokenizer = data.train_tokenizer(["some text"] * 3, 300)  # its <|endoftext|> is id 0, not 1
     tokenizer.save(str(tmp_path / "tok.json"))
     with pytest.raises(ValueError, match="<\\|endoftext\\|> is id 0, .* eot_id 1"):
-        data.TextBatches(load_config("deepseek4-smoke", dict(
-            dataset_type="tokens", dataset_path=[str(tmp_path)], vocab_size=512,
-            tokenizer_path=str(tmp_path / "tok.json"))))
+        data.TextBatches(_tokens_config(tmp_path, vocab_size=512,
+                                        tokenizer_path=str(tmp_path / "tok.json")))
     (tmp_path / "meta.json").unlink()
     with pytest.raises(ValueError, match="train.bin has no sidecar"):
         data.TextBatches(cfg, "train")
     with pytest.raises(ValueError, match="dataset_path"):
         load_config("deepseek4-smoke", dict(dataset_type="tokens"))
+
+
+@pytest.mark.parametrize("sidecar, message", [
+    ("dtype: uint16", "meta.json: not JSON"),
+    ('["uint16", 1]', "meta.json: holds a JSON list, not an object"),
+    ('{"dtype": "uint16"}', 'meta.json: needs "dtype" .* integer "eot_id", got .* eot_id None'),
+    ('{"dtype": "int64", "eot_id": 1}', "meta.json: needs \"dtype\" .* got dtype 'int64'"),
+    ('{"dtype": "uint16", "eot_id": true}', "meta.json: needs .* got .* eot_id True"),
+    ('{"dtype": "uint16", "eot_id": 300}', "eot_id 300 is outside the vocabulary \\[0, 256\\); "
+                                           "fix \"eot_id\" in the sidecar, or .*vocab_size"),
+    ('{"dtype": "uint16", "eot_id": -1}', "eot_id -1 is outside the vocabulary \\[0, 256\\)"),
+])
+def test_bad_sidecar_is_an_error_naming_it(tmp_path, sidecar, message):
+    _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
+    (tmp_path / "meta.json").write_text(sidecar)
+    with pytest.raises(data.DataError, match=message):
+        data.TextBatches(_tokens_config(tmp_path), "train")
+
+
+def test_eot_id_beyond_the_dtype_is_an_error(tmp_path):
+    _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "eot_id": 70000}))
+    with pytest.raises(data.DataError, match="eot_id 70000 does not fit its dtype uint16"):
+        data.TextBatches(_tokens_config(tmp_path, vocab_size=70016), "train")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("train.bin", b"\x01" * 7, "train.bin: 7 bytes is not a whole number of uint16 tokens \\(2 "
+                               "bytes each\\); the file is truncated, or fix \"dtype\""),
+    ("train.bin", b"", "train.bin is empty"),
+    ("train.npy", b"\x01" * 7, "train.npy: not a whole .npy array"),
+    ("train.npy", b"", "train.npy: not a whole .npy array"),
+])
+def test_token_file_that_is_not_whole_tokens_is_an_error(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint16", "eot_id": 1}))
+    with pytest.raises(data.DataError, match=message):
+        data.TextBatches(_tokens_config(tmp_path), "train")
+
+
+def test_truncated_npy_file_is_an_error(tmp_path):
+    path = _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".npy")
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(data.DataError, match="train.npy: not a whole .npy array"):
+        data.TextBatches(_tokens_config(tmp_path), "train")
+
+
+@needs_permissions
+@pytest.mark.parametrize("unreadable", ["train.bin", "meta.json"])
+def test_unreadable_token_file_is_an_error(tmp_path, unreadable):
+    _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
+    (tmp_path / unreadable).chmod(0)
+    with pytest.raises(data.DataError, match=f"dataset_path.*cannot read .*{unreadable}"):
+        data.TextBatches(_tokens_config(tmp_path), "train")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_fixtures import WORDS, documents_of, text_config
+from data_fixtures import WORDS, documents_of, needs_permissions, text_config
 from moebalance import data
 
 
@@ -75,6 +75,7 @@ def test_record_files_split_by_record_and_stream_every_text_once(tmp_path, caplo
     ("x.jsonl", '{"text": "ok"}\n{"body": "no text"}\n', "x.jsonl:2: the record has no 'text'"),
     ("x.jsonl", '{"text": "ok"}\n{"text": 7}\n', "x.jsonl:2: field 'text' holds int"),
     ("x.jsonl", '{"text": "ok"}\n{"text": "cut\n', "x.jsonl:2: not JSON"),
+    ("x.jsonl", '{"text": "ok"}\n{"text": "cut off mid-rec', "x.jsonl:2: not JSON"),
     ("x.jsonl", b'{"text": "caf\xe9"}\n', "x.jsonl:1: not UTF-8"),
     ("x.json", '[{"text": "an array"}]\n', "not one array"),
     ("x.jsonl", '["text"]\n', "must be a JSON object .* got list; a JSON Lines file holds"),
@@ -85,7 +86,7 @@ def test_bad_records_name_the_file_and_line(tmp_path, name, content, message):
     root.mkdir()
     (root / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     (root / "other.jsonl").write_text('{"text": "fine"}\n')
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(data.DataError, match=message):
         data.TextBatches(text_config(tmp_path, root, dataset_glob="*.json*"), "train")
 
 
@@ -104,3 +105,37 @@ def test_parquet_without_a_text_column_names_the_columns(tmp_path):
     cfg = text_config(tmp_path, root, dataset_glob="x.parquet", dataset_text_field="content",
                       eval_fraction=0.5, max_target_length=1)
     assert data.TextBatches(cfg, "train").tokens_in_split >= 2
+
+
+def test_truncated_or_corrupt_record_files_are_errors(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "corpus"
+    root.mkdir()
+    lines = "".join(json.dumps({"text": f"record {i} " * 20}) + "\n" for i in range(3000))
+    whole = gzip.compress(lines.encode())
+    (root / "x.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(data.DataError, match=r"x.jsonl.gz: unreadable after line \d+ .*truncated"):
+        data.TextBatches(text_config(tmp_path, root, dataset_glob="x.jsonl.gz"), "train")
+    (root / "y.jsonl.gz").write_bytes(b"not gzip\n")
+    with pytest.raises(data.DataError, match="y.jsonl.gz: unreadable after line 0 .*corrupt"):
+        data.TextBatches(text_config(tmp_path, root, dataset_glob="y.jsonl.gz"), "train")
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(3000)]}), root / "z.parquet",
+                   row_group_size=1000)
+    broken = bytearray((root / "z.parquet").read_bytes())
+    broken[len(broken) // 2: len(broken) // 2 + 500] = bytes(500)
+    (root / "z.parquet").write_bytes(bytes(broken))
+    with pytest.raises(data.DataError, match=r"z.parquet: unreadable at row \d+ .*write it again"):
+        data.TextBatches(text_config(tmp_path, root, dataset_glob="z.parquet"), "train")
+
+
+@needs_permissions
+def test_unreadable_record_file_is_an_error(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.jsonl").write_text('{"text": "fine"}\n')
+    (root / "b.jsonl").write_text('{"text": "fine too"}\n')
+    (root / "b.jsonl").chmod(0)
+    with pytest.raises(data.DataError, match="dataset_path.*cannot read .*b.jsonl"):
+        data.TextBatches(text_config(tmp_path, root, dataset_glob="*.jsonl"), "train")

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from moebalance.config import Config
-from moebalance.data.errors import DataError
+from moebalance.data.errors import DataError, unreadable
 from moebalance.data.records import is_record_file, read_records
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ def _read_utf8(path: Path) -> str | None:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError:
         return None
+    except PermissionError as err:
+        raise unreadable(path, err) from None
 
 
 def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
@@ -74,6 +76,10 @@ def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
         if root.is_file():
             yield root.name, root
         elif root.is_dir():
+            try:  # rglob lists an unreadable directory as empty
+                os.scandir(root).close()
+            except PermissionError as err:
+                raise unreadable(root, err) from None
             for path in root.rglob(cfg.dataset_glob):
                 if path.is_file():
                     yield path.relative_to(root).as_posix(), path

@@ -6,9 +6,10 @@ per record in its text field.
     read_records(path, field)            -> iterator of (row, text or None), streamed
 
 Bad records, by one rule: a record that cannot be a document (a line that is not JSON or not an
-object, invalid UTF-8, a missing field, a field that is not text) stops with a `RecordError` naming
-the file and line (JSON Lines, 1-based) or row (Parquet, 0-based), since a silently thinned corpus
-is worse than a clear stop; a record whose text is null or empty is no document: it is yielded as
+object, invalid UTF-8, a missing field, a field that is not text), or a file that breaks off (a
+truncated or corrupt .gz or Parquet file), stops with a `RecordError` (a DataError) naming the file
+and line (JSON Lines, 1-based) or row (Parquet, 0-based), since a silently thinned corpus is worse
+than a clear stop; a record whose text is null or empty is no document: it is yielded as
 None, and the caller counts and skips it. Blank lines of a JSON Lines file are not records.
 """
 
@@ -16,8 +17,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+
+from moebalance.data.errors import DataError, unreadable
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".json")
 PARQUET = (".parquet",)
@@ -26,7 +30,7 @@ ARRAY_HINT = ("; a JSON Lines file holds one JSON object per line (as datasets' 
 PARQUET_BATCH_ROWS = 1024  # rows per read: bounds memory however large the file
 
 
-class RecordError(ValueError):
+class RecordError(DataError):
     """A record that cannot be a document; the message names the file, line or row, and the fix."""
 
 
@@ -43,25 +47,42 @@ def read_records(path: Path, field: str) -> Iterator[tuple[int, str | None]]:
 
 
 def _json_lines_records(path: Path, field: str) -> Iterator[tuple[int, str | None]]:
+    row = 0
+    for number, raw in _lines(path):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RecordError(f"{where}: not UTF-8 ({err.reason} at byte {err.start}); "
+                              "re-encode the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            hint = ARRAY_HINT if line.lstrip()[:1] == "[" else ""
+            raise RecordError(f"{where}: not JSON ({err.msg}){hint}") from None
+        yield row, _text_of(record, field, where)
+        row += 1
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(number, bytes) of every line of a JSON Lines file, numbered from 1."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        row = 0
-        for number, raw in enumerate(f, 1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise RecordError(f"{where}: not UTF-8 ({err.reason} at byte {err.start}); "
-                                  "re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                hint = ARRAY_HINT if line.lstrip()[:1] == "[" else ""
-                raise RecordError(f"{where}: not JSON ({err.msg}){hint}") from None
-            yield row, _text_of(record, field, where)
-            row += 1
+    number = 0
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                yield number, raw
+    except PermissionError as err:
+        raise unreadable(path, err) from None
+    except (EOFError, OSError, zlib.error) as err:  # a truncated or corrupt .gz
+        raise _cut_short(path, f"after line {number}", err) from None
+
+
+def _cut_short(path: Path, where: str, err: Exception) -> RecordError:
+    return RecordError(f"{path}: unreadable {where} ({err}); the file is truncated or corrupt: "
+                       "write it again, or leave it out")
 
 
 def _text_of(record, field: str, where: str) -> str | None:
@@ -96,7 +117,10 @@ def _parquet_records(path: Path, field: str) -> Iterator[tuple[int, str | None]]
         raise RecordError(f"{path}: column {field!r} is {kind}, not text; set dataset_text_field "
                           "to a text column")
     row = 0
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
-        for text in batch.column(0).to_pylist():
-            yield row, text or None
-            row += 1
+    try:
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field]):
+            for text in batch.column(0).to_pylist():
+                yield row, text or None
+                row += 1
+    except (pa.ArrowException, OSError) as err:
+        raise _cut_short(path, f"at row {row}", err) from None

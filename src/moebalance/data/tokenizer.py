@@ -3,6 +3,9 @@
     3. tokenizer   a byte-level BPE trained on the training split only (or `tokenizer_path`)
     4. streams     per split, every document's ids followed by <|endoftext|>, concatenated (int32)
 
+A document longer than PIECE_CHARS characters is trained on and encoded in `pieces`, which bounds
+the memory of both (a 50 MB one-line document needed 4.8 GB, now 0.8 GB: docs/data.md).
+
 On the default corpus (CPython 3.11: 1,758 usable files, 31 MB) with 8,192 tokens, building
 everything takes 25-35 s on two cores (BPE training 9-15 s, encoding 13-19 s; 8.5M tokens), so
 the BPE is trained on the whole training split, without a cap. Later runs load the cache in
@@ -15,10 +18,10 @@ bytes.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,35 @@ log = logging.getLogger(__name__)
 
 EOT = "<|endoftext|>"
 CACHE_VERSION = 1  # bump when the tokenizer recipe or the stream layout changes
-ENCODE_CHUNK = 256  # documents per encode call: bounds the memory of the Encoding objects
+ENCODE_CHUNK = 256  # pieces per encode call: bounds the memory of the Encoding objects
+PIECE_CHARS = 1_000_000  # longer documents are trained on and encoded in pieces of at most this
+ENCODE_CHARS = 4 * PIECE_CHARS  # characters per encode call (at least one piece)
+# in a reversed text, a space then a non-space: a word's end, the pre-tokenizer's \s (Unicode
+# White_Space, which unlike Python's \s leaves out \x1c-\x1f)
+BOUNDARY = re.compile(r"[^\S\x1c-\x1f][\S\x1c-\x1f]")
+
+
+# ---------------------------------------------------------------------------------------------
+# Long documents
+
+
+def pieces(text: str) -> list[str]:
+    """`text` in pieces of at most PIECE_CHARS characters that concatenate to it: the memory of
+    pre-tokenization and BPE grows with the length of what is encoded at once (~90 bytes per
+    character). A text that fits is its own piece. Otherwise each piece ends at the last word end
+    (a non-space character followed by a space, a boundary of the byte-level pre-tokenizer, so the
+    pieces encode as the whole text does) in the second half of its limit, or at the limit when
+    there is none."""
+    if len(text) <= PIECE_CHARS:
+        return [text]
+    out, start = [], 0
+    while len(text) - start > PIECE_CHARS:
+        window = text[start: start + PIECE_CHARS + 1][::-1]  # [k]: text[start + PIECE_CHARS - k]
+        found = BOUNDARY.search(window, 0, PIECE_CHARS // 2 + 1)
+        end = start + PIECE_CHARS - (found.start() if found else 0)
+        out.append(text[start:end])
+        start = end
+    return out + [text[start:]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +98,8 @@ def fingerprint(docs: list[Document], cfg: Config) -> list:
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE of `vocab_size` entries trained on `texts`: every byte is in the initial
     alphabet (any text is encodable, nothing is unknown), <|endoftext|> is id 0, and the
-    pre-tokenizer adds no prefix space, so decode(encode(text)) == text."""
+    pre-tokenizer adds no prefix space, so decode(encode(text)) == text. Long texts are read in
+    `pieces`."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
         raise DataError(f"config key `tokenizer_vocab_size`: a byte-level BPE needs at least "
@@ -77,7 +109,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
                                   initial_alphabet=alphabet, show_progress=False)
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator((p for text in texts for p in pieces(text)), trainer)
     return tokenizer
 
 
@@ -92,7 +124,12 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
         if not source.is_file():
             raise DataError(f"config key `tokenizer_path`: {cfg.tokenizer_path!r} is not a file; "
                             "give a tokenizer.json or '' to train a byte-level BPE")
-        tokenizer = Tokenizer.from_file(str(source))
+        try:
+            tokenizer = Tokenizer.from_file(str(source))
+        except Exception as err:  # tokenizers raises a bare Exception for any bad file
+            raise DataError(f"config key `tokenizer_path`: cannot load {source} as a tokenizer "
+                            f"({err}); give a tokenizer.json as HF tokenizers' Tokenizer.save "
+                            "writes it, or '' to train a byte-level BPE") from None
         content = hashlib.sha256(source.read_bytes()).hexdigest()[:20]
         directory = cache_root(cfg) / f"tokenizer-{content}"
     else:
@@ -124,14 +161,34 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
 
 
 def encode_documents(tokenizer: Tokenizer, texts: Iterable[str], eot_id: int) -> np.ndarray:
-    """[N] int32: each text's ids (no added special tokens) followed by `eot_id`, concatenated;
-    `texts` is read ENCODE_CHUNK at a time, so only the ids are ever all in memory."""
-    pieces = [np.zeros(0, np.int32)]
-    texts = iter(texts)
-    while chunk := list(itertools.islice(texts, ENCODE_CHUNK)):
-        for encoding in tokenizer.encode_batch_fast(chunk, add_special_tokens=False):
-            pieces += [np.asarray(encoding.ids, np.int32), np.array([eot_id], np.int32)]
-    return np.concatenate(pieces)
+    """[N] int32: each text's ids (no added special tokens) followed by `eot_id`, concatenated; a
+    long text is encoded in `pieces`, their ids concatenated. Only the ids are ever all in
+    memory: the texts are read and encoded a batch at a time (`_encode_batches`)."""
+    ids = [np.zeros(0, np.int32)]
+    for batch in _encode_batches(texts):
+        encodings = tokenizer.encode_batch_fast([p for p, _ in batch], add_special_tokens=False)
+        for (_, last), encoding in zip(batch, encodings):
+            ids.append(np.asarray(encoding.ids, np.int32))
+            if last:
+                ids.append(np.array([eot_id], np.int32))
+    return np.concatenate(ids)
+
+
+def _encode_batches(texts: Iterable[str]) -> Iterator[list[tuple[str, bool]]]:
+    """The `pieces` of the texts as lists of (piece, whether it ends its text), each of at most
+    ENCODE_CHUNK pieces and (unless one piece) ENCODE_CHARS characters: the memory of an encode
+    call."""
+    batch, chars = [], 0
+    for text in texts:
+        parts = pieces(text)
+        for i, part in enumerate(parts):
+            if batch and (len(batch) == ENCODE_CHUNK or chars + len(part) > ENCODE_CHARS):
+                yield batch
+                batch, chars = [], 0
+            batch.append((part, i == len(parts) - 1))
+            chars += len(part)
+    if batch:
+        yield batch
 
 
 def load_stream(cfg: Config, tokenizer: Tokenizer, directory: Path, docs: list[Document],

@@ -5,16 +5,18 @@ tokenizer."""
 from __future__ import annotations
 
 import json
+import reprlib
 from pathlib import Path
 
 import numpy as np
 
 from moebalance.config import Config
-from moebalance.data.errors import DataError
+from moebalance.data.errors import DataError, unreadable
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
 HELD_OUT_STEMS = ("val", "valid", "validation", "eval", "test")
+SIDECAR_EXAMPLE = '{"dtype": "uint16", "eot_id": 50256}'
 
 
 def token_files(cfg: Config) -> tuple[Path, Path | None]:
@@ -40,28 +42,70 @@ def token_files(cfg: Config) -> tuple[Path, Path | None]:
     return train[0], (held[0] if held else None)
 
 
-def read_token_file(path: Path) -> tuple[np.ndarray, int]:
+def read_token_file(path: Path, vocab_size: int) -> tuple[np.ndarray, int]:
     """(memory-mapped [N] ids, end-of-text id) of a token file. Its sidecar `<file>.json`, or
     `meta.json` beside it, gives {"dtype": one of TOKEN_DTYPES, "eot_id": the id that ends every
-    document (the document boundaries)}; a .npy file's own header must agree on the dtype."""
+    document (the document boundaries), in [0, vocab_size)}; a .npy file's own header must agree
+    on the dtype, a raw file must hold a whole number of tokens."""
     sidecar = next((p for p in (path.with_name(path.name + ".json"), path.with_name("meta.json"))
                     if p.is_file()), None)
     if sidecar is None:
         raise DataError(f"{path} has no sidecar: write {path.name}.json (or meta.json beside it) "
-                        'holding {"dtype": "uint16", "eot_id": 50256} with your dtype and '
-                        "end-of-text id")
-    meta = json.loads(sidecar.read_text())
-    if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("eot_id"), int):
-        raise DataError(f"{sidecar}: needs \"dtype\" (one of {TOKEN_DTYPES}) and an integer "
-                        f"\"eot_id\", got {meta}")
-    if path.suffix == ".npy":
+                        f"holding {SIDECAR_EXAMPLE} with your dtype and end-of-text id")
+    dtype, eot_id = _read_sidecar(sidecar)
+    if not 0 <= eot_id < vocab_size:
+        raise DataError(f"{sidecar}: eot_id {eot_id} is outside the vocabulary [0, {vocab_size}); "
+                        "fix \"eot_id\" in the sidecar, or config key `vocab_size`")
+    if eot_id > np.iinfo(dtype).max:
+        raise DataError(f"{sidecar}: eot_id {eot_id} does not fit its dtype {dtype}; fix "
+                        "\"eot_id\" or \"dtype\" in the sidecar")
+    try:
+        if path.suffix == ".npy":
+            return _read_npy(path, dtype, sidecar), eot_id
+        size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+        if size == 0:
+            raise DataError(f"{path} is empty; write its tokens again, or leave it out")
+        if size % itemsize:
+            raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
+                            f"({itemsize} bytes each); the file is truncated, or fix \"dtype\" "
+                            f"in its sidecar {sidecar.name}")
+        return np.memmap(path, dtype=dtype, mode="r"), eot_id
+    except PermissionError as err:
+        raise unreadable(path, err) from None
+
+
+def _read_sidecar(sidecar: Path) -> tuple[str, int]:
+    """(dtype, eot_id) of a token file's sidecar JSON."""
+    try:
+        meta = json.loads(sidecar.read_bytes())
+    except PermissionError as err:
+        raise unreadable(sidecar, err) from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise DataError(f"{sidecar}: not JSON ({err}); write a JSON object such as "
+                        f"{SIDECAR_EXAMPLE}") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{sidecar}: holds a JSON {type(meta).__name__}, not an object such as "
+                        f"{SIDECAR_EXAMPLE}")
+    dtype, eot_id = meta.get("dtype"), meta.get("eot_id")
+    if dtype not in TOKEN_DTYPES or not isinstance(eot_id, int) or isinstance(eot_id, bool):
+        raise DataError(f"{sidecar}: needs \"dtype\" (one of {', '.join(TOKEN_DTYPES)}) and an "
+                        f"integer \"eot_id\", got dtype {reprlib.repr(dtype)} and eot_id "
+                        f"{reprlib.repr(eot_id)}")
+    return dtype, eot_id
+
+
+def _read_npy(path: Path, dtype: str, sidecar: Path) -> np.ndarray:
+    try:
+        with path.open("rb") as f:  # np.load would take a file without the header for a pickle
+            np.lib.format.read_magic(f)
         ids = np.load(path, mmap_mode="r")
-        if ids.dtype != np.dtype(meta["dtype"]) or ids.ndim != 1:
-            raise DataError(f"{path} holds {ids.dtype} of shape {ids.shape}; its sidecar "
-                            f"{sidecar.name} says 1-D {meta['dtype']}")
-    else:
-        ids = np.memmap(path, dtype=meta["dtype"], mode="r")
-    return ids, meta["eot_id"]
+    except (ValueError, EOFError) as err:  # no .npy header, or fewer bytes than it says
+        raise DataError(f"{path}: not a whole .npy array ({err}); write it with numpy.save, or "
+                        "give a raw token file the ending .bin") from None
+    if ids.dtype != np.dtype(dtype) or ids.ndim != 1:
+        raise DataError(f"{path} holds {ids.dtype} of shape {ids.shape}; its sidecar "
+                        f"{sidecar.name} says 1-D {dtype}")
+    return ids
 
 
 def token_stream(cfg: Config, split: str) -> tuple[np.ndarray, int]:
@@ -70,8 +114,8 @@ def token_stream(cfg: Config, split: str) -> tuple[np.ndarray, int]:
     from the first document boundary there on (whole documents)."""
     train_file, held_file = token_files(cfg)
     if held_file is not None:
-        return read_token_file(train_file if split == "train" else held_file)
-    ids, eot_id = read_token_file(train_file)
+        return read_token_file(train_file if split == "train" else held_file, cfg.vocab_size)
+    ids, eot_id = read_token_file(train_file, cfg.vocab_size)
     start = int(len(ids) * (1 - cfg.eval_fraction))
     ends = np.flatnonzero(ids[start:] == eot_id)
     cut = start + int(ends[0]) + 1 if len(ends) else len(ids)
