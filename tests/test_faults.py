@@ -204,3 +204,42 @@ def test_a_corrupt_run_tokenizer_is_named(finished, tmp_path, capsys):
     (run / "tokenizer.json").write_text("{not a tokenizer")
     code, err = run_cli(capsys, "generate", run, "--prompt", "x")
     assert code == 2 and "tokenizer.json is not a tokenizer the run can use" in error_line(err)
+
+
+@pytest.mark.parametrize("files, over, message", [
+    ({"train.bin": b"\x01\x00\x02", "meta.json": b'{"dtype": "uint16", "eot_id": 0}'}, [],
+     "3 bytes is not a whole number of uint16 tokens"),
+    ({"train.bin": b"\x01\x00\x02\x00", "meta.json": b"{dtype: uint16"}, [], "meta.json: not JSON"),
+    ({"train.bin": b"\x01\x00\x02\x00", "meta.json": b'{"dtype": "uint16", "eot_id": 300}'}, [],
+     "eot_id 300 is outside the vocabulary [0, 256)"),
+    ({"a.txt": b"some text"}, ["dataset_type=text", "tokenizer_path={root}/a.txt"],
+     "cannot load"),
+])
+def test_bad_data_ends_in_one_line_before_the_run_directory_exists(tmp_path, capsys, files, over,
+                                                                  message):
+    root = tmp_path / "data"
+    root.mkdir()
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+    over = [o.format(root=root) for o in over] or ["dataset_type=tokens", f"dataset_path={root}"]
+    code, err = run_cli(capsys, "train", "deepseek4-smoke", *SMOKE, *over, "--out",
+                        tmp_path / "run")
+    assert code == 2 and message in error_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_non_finite_checkpoint_fails(finished, tmp_path, capsys, monkeypatch):
+    """A checkpoint with NaN weights (as older versions could write) is named, not evaluated to
+    a loss of nan with exit code 0."""
+    run = copy_of(finished, tmp_path)
+    cfg = RunDir(run).config()
+    model, optimizer = build(cfg, make_mesh(cfg))
+    mgr = checkpoint.manager(RunDir(run).checkpoints)
+    checkpoint.load(mgr, 3, model, optimizer)
+    model.embed[...] = model.embed[...] * np.nan
+    shutil.rmtree(run / "checkpoints" / "3")
+    mgr.reload()
+    monkeypatch.setattr(checkpoint, "non_finite", lambda *state: None)  # the older versions
+    checkpoint.save(mgr, 3, model, optimizer)
+    code, err = run_cli(capsys, "eval", run, "--batches", "1")
+    assert code == 2 and "its weights are not finite" in error_line(err)
