@@ -105,6 +105,7 @@ def test_a_second_writer_is_refused_naming_the_first(finished, tmp_path, capsys)
     assert code == 0 and steps_logged(run) == [0, 1, 2]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's reads
 def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(finished, tmp_path, capsys):
     run = copy_of(finished, tmp_path)
     files = [p for p in (run / "checkpoints" / "3").rglob("*") if p.is_file()]
