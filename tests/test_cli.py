@@ -7,14 +7,6 @@ import pytest
 from moebalance import cli
 
 
-@pytest.fixture
-def moebalance_logger():
-    log = logging.getLogger("moebalance")
-    saved = log.handlers[:], log.propagate, log.level
-    yield log
-    log.handlers[:], log.propagate, log.level = saved
-
-
 def test_progress_notes_reach_stderr_once(moebalance_logger, capsys):
     """A library that gave the root logger a stream handler (as orbax's import does) must not
     make every note appear twice."""

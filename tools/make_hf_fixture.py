@@ -135,17 +135,17 @@ def build(name: str, spec: dict, seed: int) -> dict:
     for key in ("layer_types", "compress_rates", "mlp_layer_types", "rope_parameters"):
         assert getattr(same, key) == config[key], (key, getattr(same, key), config[key])
     reread = _logits(DeepseekV4ForCausalLM.from_pretrained(out / "memory"), ids)
-    assert _difference(reread, logits)["max_rel"] < 1e-6, "transformers reads memory/ otherwise"
+    assert difference(reread, logits)["max_rel"] < 1e-6, "transformers reads memory/ otherwise"
     exact = DeepseekV4ForCausalLM.from_pretrained(out / "transformers",
                                                   experts_implementation="eager").double()
     with torch.no_grad():
         logits64 = exact(torch.as_tensor(ids)).logits.numpy()
     save_file({"input_ids": torch.as_tensor(ids), "logits": torch.as_tensor(logits),
                "logits_float64": torch.as_tensor(logits64)}, str(out / "expected.safetensors"))
-    return {"transformers_float32_vs_float64": _difference(logits, logits64)}
+    return {"transformers_float32_vs_float64": difference(logits, logits64)}
 
 
-def _difference(got: np.ndarray, want: np.ndarray) -> dict:
+def difference(got: np.ndarray, want: np.ndarray) -> dict:
     err = float(np.abs(got - want).max())
     return {"max_abs": err, "max_rel": err / float(np.abs(want).max())}
 
@@ -160,7 +160,7 @@ def check_in_transformers(saved: Path, ids: np.ndarray, want: np.ndarray) -> dic
     assert not problems, f"from_pretrained({saved}): {problems}"
     mtp = [n for n in safe_open(str(saved / "model.safetensors"), "np").keys()
            if n.startswith("mtp.")]  # our MTP layer, which from_pretrained ignores
-    result = {**_difference(_logits(model.eval(), ids), want), "mtp_tensors_ignored": len(mtp)}
+    result = {**difference(_logits(model.eval(), ids), want), "mtp_tensors_ignored": len(mtp)}
     assert result["max_rel"] <= 1e-5, f"transformers' logits of {saved} differ: {result}"
     return result
 
@@ -188,21 +188,38 @@ def moebalance_side(work: Path) -> None:
     np.save(work / "ours_logits.npy", np.asarray(model(jnp.asarray(ids)).logits))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+# --- both sides -------------------------------------------------------------------------------
+
+
+def command_line(doc: str, moebalance_side) -> str | None:
+    """The command line of a fixture tool with a moebalance side: in the subprocess that
+    `run_moebalance_side` starts, run `moebalance_side(directory)` and return None; otherwise
+    return the python of moebalance's venv (--moebalance-python)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--moebalance-python", default=str(ROOT / ".venv" / "bin" / "python"))
     parser.add_argument("--moebalance-side", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.moebalance_side:
         moebalance_side(args.moebalance_side)
+        return None
+    return args.moebalance_python
+
+
+def run_moebalance_side(python: str, script: str, work: Path) -> None:
+    """`script`'s moebalance side in moebalance's venv, writing into `work`."""
+    subprocess.run([python, script, "--moebalance-side", str(work)], check=True, cwd=ROOT)
+
+
+def main() -> int:
+    python = command_line(__doc__, moebalance_side)
+    if python is None:
         return 0
     from safetensors.numpy import load_file
 
     parity = {name: build(name, spec, seed) for seed, (name, spec) in enumerate(MODELS.items())}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        subprocess.run([args.moebalance_python, __file__, "--moebalance-side", str(work)],
-                       check=True, cwd=ROOT)
+        run_moebalance_side(python, __file__, work)
         for name in MODELS:
             expected = load_file(str(OUT / name / "expected.safetensors"))
             parity[name]["moebalance_save_in_transformers"] = check_in_transformers(

@@ -110,6 +110,17 @@ def _convert(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    """Write a run's checkpoint and tokenizer as a directory transformers loads."""
+    from moebalance.hf.export import export
+
+    result = export(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                    overwrite=args.overwrite)
+    print(f"wrote {args.out} (step {result['step']}, {result['dtype']}, "
+          f"{'with' if result['tokenizer'] else 'no'} tokenizer)")
+    return 0
+
+
 def _train(args) -> int:
     """Train a config into a run directory, showing progress and balance as it goes."""
     from moebalance.config import load_config
@@ -287,6 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="new directory to write (must not hold a checkpoint)")
     convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     convert.set_defaults(func=_convert)
+    export = sub.add_parser("export", parents=[common],
+                            help="write a run's checkpoint and tokenizer as a directory that "
+                                 "transformers' AutoModelForCausalLM and AutoTokenizer load")
+    export.add_argument("run_dir", help="a run directory with a checkpoint")
+    export.add_argument("out", help="new directory to write (must not hold files)")
+    export.add_argument("--step", type=int, default=None,
+                        help="the checkpoint of this step (default: the latest)")
+    export.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="weight dtype (default: the run's weight_dtype)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export in OUT")
+    export.set_defaults(func=_export)
     generate = sub.add_parser("generate", parents=[common],
                               help="sample text from a run's latest checkpoint (uncached decoding)")
     generate.add_argument("run_dir", help="a run directory trained on text data")

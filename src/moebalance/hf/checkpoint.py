@@ -220,17 +220,20 @@ def _shards(tensors: dict, max_bytes: int) -> list[dict]:
     return [*shards, current]
 
 
-def save(model: DeepSeekV4, config, path, *, max_shard_bytes: int = 2 * 1024**3):
+def save(model: DeepSeekV4, config, path, *, max_shard_bytes: int = 2 * 1024**3,
+         extra_config: dict | None = None):
     """Write config.json and the tensors in transformers' save_pretrained layout (what
     `DeepseekV4ForCausalLM.from_pretrained` loads; sharded past max_shard_bytes, with an index).
     The MTP layer keeps DeepSeek's names (`mtp.0.*`), which from_pretrained ignores.
+    `extra_config`: keys added to config.json (e.g. the tokenizer's special token ids).
 
     Refuses a directory that already holds a checkpoint; files are written atomically.
     """
     path = Path(path)
     if (path / "config.json").exists():
         raise FileExistsError(f"{path} already holds a checkpoint; choose a new directory")
-    hf_config = config_to_hf(config)  # before any file: a config transformers cannot hold fails
+    # before any file: a config transformers cannot hold fails
+    hf_config = {**config_to_hf(config), **(extra_config or {})}
     path.mkdir(parents=True, exist_ok=True)
     tensors = {names.layout_name(name, "transformers"): value
                for name, value in deepseek_tensors(model).items()}
