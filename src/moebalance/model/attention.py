@@ -18,7 +18,9 @@ r = 128) all visible entries are attended.
 Cost: the window is computed in chunks of W queries against their own and the previous chunk
 ([S, 2W] logits, not [S, S]); CSA layers gather the indexer's top-k entries per query ([S, k]);
 HCA layers attend their S/r entries densely ([S, S/r]). Only the indexer scores all [S, S/4]
-entries (as in DeepSeek's design). Long-context kernels are future work.
+entries (as in DeepSeek's design). Long-context kernels are future work. Cached decoding runs
+the same pieces (queries, keys, compressed_part, output, Compressor.pool) one position at a time
+against a KV cache: model/decode.py.
 """
 
 from __future__ import annotations
@@ -143,9 +145,14 @@ class Compressor(nnx.Module):
                                  constant_values=-jnp.inf)
             kv = jnp.concatenate([prev_kv, kv[..., d:]], axis=2)  # [B, n, 2r, d]
             score = jnp.concatenate([prev_score, score[..., d:]], axis=2)
+        return self.pool(kv, score, jnp.arange(n) * r, freqs)
+
+    def pool(self, kv: jax.Array, score: jax.Array, starts: jax.Array, freqs) -> jax.Array:
+        """kv, score [B, n, slots, d] (the gate's scores with `ape` added) -> [B, n, d] entries:
+        the softmax-weighted sum over the slots, normalised, RoPE'd at positions starts [n]."""
         pooled = (kv * jax.nn.softmax(score, axis=2)).sum(2)  # [B, n, d]
         pooled = self.norm(pooled)
-        cos, sin = rope_angles(jnp.arange(n) * r, freqs)
+        cos, sin = rope_angles(starts, freqs)
         return apply_rope(pooled, cos, sin)
 
 
@@ -166,14 +173,14 @@ class Indexer(nnx.Module):
                                      dims.rope_dim, dims.eps, rngs)
 
     @jax.named_scope("indexer")
-    def __call__(self, x, qr, cos, sin, freqs, visible) -> tuple[jax.Array, jax.Array]:
-        """visible [B, S, n] (causality and segments) -> (indices [B, S, k] int32 of the entries
-        each query attends, valid [B, S, k] bool: False where fewer than k are visible)."""
+    def __call__(self, x, qr, cos, sin, keys, visible) -> tuple[jax.Array, jax.Array]:
+        """keys [B, n, dh] (this indexer's compressor's entries), visible [B, S, n] (causality and
+        segments) -> (indices [B, S, k] int32 of the entries each query attends, valid [B, S, k]
+        bool: False where fewer than k are visible)."""
         c = self.dims
         b, s, _ = x.shape
         q = (qr @ self.wq_b[...].astype(qr.dtype)).reshape(b, s, c.index_heads, c.index_head_dim)
         q = apply_rope(q.astype(jnp.float32), cos[:, :, None], sin[:, :, None])
-        keys = self.compressor(x, freqs)  # [B, n, dh]
         w = (x @ self.weights_proj[...].astype(x.dtype)).astype(jnp.float32)
         w = w * (c.index_head_dim * c.index_heads) ** -0.5  # [B, S, h]
         score = jnp.einsum("bshd,bnd->bshn", q, keys)
@@ -182,6 +189,14 @@ class Indexer(nnx.Module):
         k = min(c.index_topk, keys.shape[1])
         _, top = jax.lax.top_k(jax.lax.stop_gradient(score), k)  # [B, S, k]
         return top, jnp.take_along_axis(visible, top, axis=-1)
+
+
+def dense_part(q, keys, visible, scale: float):
+    """Attention logits of queries q [B, S, H, hd] over all of keys [B, n, hd] (visible [B, S, n],
+    the others at NEG_INF) -> (logits [B, H, S, n], probs [B, H, S, n] -> [B, S, H, hd])."""
+    logits = jnp.einsum("bshd,bnd->bhsn", q, keys) * scale
+    return (jnp.where(visible[:, None], logits, NEG_INF),
+            lambda p: jnp.einsum("bhsn,bnd->bshd", p, keys))
 
 
 class Attention(nnx.Module):
@@ -207,41 +222,62 @@ class Attention(nnx.Module):
                  freqs) -> jax.Array:
         """x [B, S, D] (the attention norm's output), positions, segment_ids [B, S] -> [B, S, D]."""
         c = self.dims
-        dt = jnp.dtype(c.dtype)
-        b, s, _ = x.shape
-        x = x.astype(dt)
+        s = x.shape[1]
+        x = x.astype(jnp.dtype(c.dtype))
         cos, sin = rope_angles(positions, freqs)  # [B, S, rd/2]
-        qr = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, S, q_lora]
-        q = (qr @ self.wq_b[...].astype(dt)).reshape(b, s, c.heads, c.head_dim)
-        q = apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None])  # [B, S, H, hd] f32
-        kv = apply_rope(self.kv_norm(x @ self.wkv[...].astype(dt)), cos, sin)  # [B, S, hd]
-        scale = c.head_dim ** -0.5
-        kv = kv.astype(jnp.float32)
-        logits, values = [], []  # per part: [B, H, S, keys] and how to combine its probabilities
-        chunked_logits, combine_window = _window_part(q, kv, segment_ids, c.window, scale)
-        logits.append(chunked_logits)
-        values.append(combine_window)
+        qr, q = self.queries(x, cos, sin)
+        kv = self.keys(x, cos, sin)
+        # per part: logits [B, H, S, keys] and how to combine its probabilities
+        parts = [_window_part(q, kv, segment_ids, c.window, c.head_dim ** -0.5)]
         with jax.named_scope("compressed"):
             if self.compressor is not None and s >= c.ratio:  # else no entry is complete yet
                 ckv = self.compressor(x, freqs)  # [B, n, hd]
                 n = ckv.shape[1]
                 visible = visible_entries(s, n, c.ratio)[None] & (
                     segment_ids[:, :, None] == entry_segments(segment_ids, n, c.ratio)[:, None])
-                if self.indexer is not None:  # CSA: the indexer's top-k entries, gathered
-                    top, valid = self.indexer(x, qr, cos, sin, freqs, visible)  # [B, S, k]
-                    entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
-                    clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
-                    logits.append(jnp.where(valid[:, None], clogits, NEG_INF))
-                    values.append(lambda p, e=entries: jnp.einsum("bhsk,bskd->bshd", p, e))
-                else:  # HCA: every visible entry
-                    clogits = jnp.einsum("bshd,bnd->bhsn", q, ckv) * scale
-                    logits.append(jnp.where(visible[:, None], clogits, NEG_INF))
-                    values.append(lambda p, e=ckv: jnp.einsum("bhsn,bnd->bshd", p, e))
+                index_keys = None if self.indexer is None else self.indexer.compressor(x, freqs)
+                parts.append(self.compressed_part(x, qr, q, cos, sin, ckv, index_keys, visible))
+        return self.output(parts, cos, sin)
+
+    def queries(self, x, cos, sin):
+        """x [B, S, D] in the compute dtype -> (qr [B, S, q_lora], the indexer's input too;
+        q [B, S, H, hd] float32, each head RMS-normalised, RoPE'd)."""
+        c = self.dims
+        dt = x.dtype
+        qr = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, S, q_lora]
+        q = (qr @ self.wq_b[...].astype(dt)).reshape(*x.shape[:2], c.heads, c.head_dim)
+        return qr, apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None])
+
+    def keys(self, x, cos, sin):
+        """x [B, S, D] in the compute dtype -> the shared key/value head [B, S, hd] float32."""
+        return apply_rope(self.kv_norm(x @ self.wkv[...].astype(x.dtype)), cos, sin).astype(
+            jnp.float32)
+
+    def compressed_part(self, x, qr, q, cos, sin, ckv, index_keys, visible):
+        """The compressed entries ckv [B, n, hd] as one attention part (logits, combine): on CSA
+        layers the indexer's top-k of the visible [B, S, n] ones (scored against index_keys
+        [B, n, dh]), else every visible one."""
+        scale = self.dims.head_dim ** -0.5
+        if self.indexer is None:  # HCA: every visible entry
+            return dense_part(q, ckv, visible, scale)
+        top, valid = self.indexer(x, qr, cos, sin, index_keys, visible)  # [B, S, k]
+        entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
+        clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+        return (jnp.where(valid[:, None], clogits, NEG_INF),
+                lambda p: jnp.einsum("bhsk,bskd->bshd", p, entries))
+
+    def output(self, parts, cos, sin) -> jax.Array:
+        """One softmax over the parts' logits and the sink logit, each part's probabilities
+        combined with its values, then the output projection -> [B, S, D]."""
+        c = self.dims
+        dt = jnp.dtype(c.dtype)
+        b, _, s, _ = parts[0][0].shape
         sink = jnp.broadcast_to(self.attn_sink[...][None, :, None, None], (b, c.heads, s, 1))
-        probs = jax.nn.softmax(jnp.concatenate([*logits, sink], axis=-1), axis=-1)
-        widths = np.cumsum([part.shape[-1] for part in logits])[:-1]
-        o = sum(combine(p) for combine, p in zip(values, jnp.split(probs[..., :-1], widths,
-                                                                      axis=-1)))  # [B,S,H,hd]
+        probs = jax.nn.softmax(jnp.concatenate([*(logits for logits, _ in parts), sink],
+                                               axis=-1), axis=-1)
+        widths = np.cumsum([logits.shape[-1] for logits, _ in parts])[:-1]
+        o = sum(combine(p) for (_, combine), p in zip(parts, jnp.split(probs[..., :-1], widths,
+                                                                       axis=-1)))  # [B,S,H,hd]
         o = apply_rope(o, cos[:, :, None], sin[:, :, None], inverse=True).astype(dt)
         o = o.reshape(b, s, c.o_groups, -1)  # [B, S, G, H/G * hd]
         o = jnp.einsum("bsgk,gkr->bsgr", o, self.wo_a[...].astype(dt)).reshape(b, s, -1)

@@ -76,13 +76,19 @@ class Block(nnx.Module):
 
     def forward(self, h, token_ids, positions, segment_ids, mask):
         """h [B, S, m, D] -> (h [B, S, m, D], RoutingRecord)."""
+        return self.sublayers(
+            h, lambda x: (self.attn(x, positions, segment_ids, self.freqs), None),
+            lambda x: self.ffn(x, token_ids=token_ids, mask=mask))[:2]
+
+    def sublayers(self, h, attend, feed_forward):
+        """The block around attend(x) -> (output, extra) and feed_forward(x) -> (output, record),
+        each given its norm's output x [B, S, D]: h [B, S, m, D] -> (h, record, extra)."""
         y, post, comb = self.attn_hc.pre(h)
-        h = HyperConnection.post(self.attn(self.attn_norm(y), positions, segment_ids,
-                                           self.freqs), h, post,
-                                 comb)
+        out, extra = attend(self.attn_norm(y))
+        h = HyperConnection.post(out, h, post, comb)
         y, post, comb = self.ffn_hc.pre(h)
-        out, record = self.ffn(self.ffn_norm(y), token_ids=token_ids, mask=mask)
-        return HyperConnection.post(out, h, post, comb), record
+        out, record = feed_forward(self.ffn_norm(y))
+        return HyperConnection.post(out, h, post, comb), record, extra
 
     def __call__(self, h, token_ids, positions, segment_ids, mask):
         if not self.remat:
@@ -220,6 +226,12 @@ class DeepSeekV4(nnx.Module):
         self.head = nnx.Param(dense_init(rngs, (d, v), jnp.float32))  # untied, float32
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
 
+    def streams(self, tokens):
+        """tokens [B, S] -> the residual streams h [B, S, m, D]: the embedding, m times."""
+        with jax.named_scope("embed"):
+            x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
+        return jnp.broadcast_to(x[:, :, None], (*tokens.shape, self.hc_mult, self.emb_dim))
+
     @jax.named_scope("head")
     def logits(self, y):
         return y.astype(jnp.float32) @ self.head[...]
@@ -236,9 +248,7 @@ class DeepSeekV4(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         if segment_ids is None:
             segment_ids = jnp.zeros((b, s), jnp.int32)
-        with jax.named_scope("embed"):
-            x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
-        h = jnp.broadcast_to(x[:, :, None], (b, s, self.hc_mult, self.emb_dim))  # [B, S, m, D]
+        h = self.streams(tokens)
         records = []  # per segment, fields with a leading layer axis
         for seg in self.segments:
             h, rec = seg(h, tokens, positions, segment_ids, mask)
