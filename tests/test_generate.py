@@ -37,15 +37,51 @@ def _greedy_reference(model, ids, prompt_len, context):
         for t in range(prompt_len, len(ids))]
 
 
+@pytest.mark.parametrize("cached", [True, False])
 @pytest.mark.parametrize("context", [64, 10])
-def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass(model, context):
-    """One padded fixed-length context per call (and, with context 10, a sliding window over a
-    longer text) gives exactly the tokens the plain forward pass ranks first."""
+def test_greedy_decoding_is_the_argmax_of_the_full_forward_pass(model, context, cached):
+    """Cached or one padded fixed-length context per call (and, with context 10, a sliding window
+    over a longer text) gives exactly the tokens the plain forward pass ranks first."""
     cfg, net = model
     prompt = [5, 17, 200, 3, 99, 42, 7]
-    new = generate.sample_tokens(net, prompt, max_new_tokens=9, context=context)
+    new = generate.sample_tokens(net, prompt, max_new_tokens=9, context=context, cached=cached)
     assert len(new) == 9
     assert new == _greedy_reference(net, prompt + new, len(prompt), context)
+
+
+@pytest.fixture(scope="module")
+def decode_model():
+    """Every cache boundary within 40 positions: a window of 4, CSA (r = 4, the indexer keeping 4
+    of up to 10 entries) and HCA at r = 8; the last four blocks scanned as two [8, 4] units."""
+    cfg = load_config("deepseek4-smoke", {"base_num_decoder_layers": 6, "sliding_window_size": 4,
+                                          "compress_ratios": [0, 4, 8, 4, 8, 4],
+                                          "max_target_length": 40})
+    return DeepSeekV4(cfg, rngs=nnx.Rngs(5))
+
+
+IDS = np.random.default_rng(0).integers(0, 256, 40).tolist()
+
+
+def test_cached_logits_are_the_forward_pass_logits_at_every_step(decode_model):
+    """A prefill of the first n ids (n inside, at and past block boundaries of both ratios and
+    the window), then one step per id up to 40 positions: each step's logits are the full forward
+    pass's at that position, to float32 rounding."""
+    full = np.asarray(nnx.jit(lambda m, t: m(t).logits[0])(decode_model, np.asarray(IDS)[None]))
+    for n in (1, 3, 4, 5, 8, 9, 16, 17, 33, 40):
+        logits_after = generate.decoder(decode_model, 40)
+        got = np.stack([logits_after(IDS[:t]) for t in range(n, 41)])
+        np.testing.assert_allclose(got, full[n - 1:], rtol=0, atol=2e-5, err_msg=f"prompt {n}")
+
+
+@pytest.mark.parametrize("prompt_len,new_tokens,context", [
+    (1, 40, 64), (7, 34, 64), (16, 25, 64), (33, 8, 64), (3, 20, 12), (2, 2, 64)])
+def test_cached_greedy_decoding_equals_uncached(decode_model, prompt_len, new_tokens, context):
+    """The same tokens with and without the cache, across the boundaries, past the context (12:
+    the cached decoder refills from the last 12 ids) and in a context shorter than any block (3)."""
+    kwargs = dict(max_new_tokens=new_tokens, context=context)
+    cached = generate.sample_tokens(decode_model, IDS[:prompt_len], **kwargs)
+    assert len(cached) == new_tokens
+    assert cached == generate.sample_tokens(decode_model, IDS[:prompt_len], cached=False, **kwargs)
 
 
 def test_sampling_is_seeded_and_stops_at_the_stop_token(model):
