@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replace an earlier export in OUT")
     export.set_defaults(func=_export)
     generate = sub.add_parser("generate", parents=[common],
-                              help="sample text from a run's latest checkpoint (uncached decoding)")
+                              help="sample text from a run's latest checkpoint (KV-cached decoding)")
     generate.add_argument("run_dir", help="a run directory trained on text data")
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=64)
