@@ -19,8 +19,9 @@ from moebalance import cli, hf
 from moebalance import safetensors_io as st
 from moebalance.config import load_config
 from moebalance.data.tokenizer import EOT, encode_documents, load_tokenizer
-from moebalance.hf.export import restore, transformers_differences
+from moebalance.hf.export import transformers_differences
 from moebalance.rundir import RunDir
+from moebalance.training import checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "export"
 RUN = RunDir(FIXTURE / "run")
@@ -95,7 +96,7 @@ def test_logits_match_transformers(exported):
     """Our model loaded back from the export gives transformers' logits, and the same logits as
     the run's own checkpoint: the export is the checkpoint, calibrated biases included."""
     cfg, model = hf.load(exported)
-    checkpoint_model, step = restore(RUN, RUN.config())
+    checkpoint_model, step = checkpoint.restore_model(RUN.config(), RUN.checkpoints)
     assert step == 4
     texts = _texts()  # one batch padded to the full length: logits are causal
     tokens = np.zeros((len(texts), cfg.max_target_length), np.int32)

@@ -32,12 +32,11 @@ from tokenizers import Tokenizer
 
 from moebalance import routing
 from moebalance.config import Config
-from moebalance.data import EOT
+from moebalance.data import EOT, read_tokenizer
 from moebalance.model import decode
-from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
+from moebalance.model.transformer import DeepSeekV4
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint
-from moebalance.training.step import make_optimizer
 
 
 def next_token_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
@@ -173,15 +172,9 @@ def load(run_dir) -> Generator:
             f"{tokenizer_file} is missing: runs trained before the trainer kept the tokenizer "
             "have none; train again, or copy the tokenizer.json the run used (in the data cache) "
             "there")
-    model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)  # the checkpoint has it
-    step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
-    try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
-        reason = (str(err) or type(err).__name__).splitlines()[0]
-        raise ValueError(f"{tokenizer_file} is not a tokenizer the run can use ({reason}); copy "
-                         "the tokenizer.json the run trained with (in the data cache) there"
-                         ) from None
+    model, step = checkpoint.restore_model(cfg, run.checkpoints)
+    tokenizer = read_tokenizer(tokenizer_file, f"{tokenizer_file} is not a tokenizer the run can "
+                               "use ({reason}); copy the tokenizer.json the run trained with (in "
+                               "the data cache) there")
     tokenizer.encode_special_tokens = True  # as in training: literal <|endoftext|> is text
     return Generator(cfg, model, tokenizer, step)

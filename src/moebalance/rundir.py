@@ -168,7 +168,7 @@ class RunDir:
 
     def rewind(self, step: int) -> None:
         """Drop what steps >= `step` wrote (they ran after the checkpoint being resumed)."""
-        kept = [line for line in self._metric_lines() if json.loads(line)["step"] < step]
+        kept = [line for line, record in self._metric_rows() if record["step"] < step]
         (self.path / METRICS).write_text("".join(line + "\n" for line in kept))
         with open(self.path / COUNTS, "ab") as f:
             f.truncate(step * int(np.prod(self._counts_row())) * 4)
@@ -218,7 +218,7 @@ class RunDir:
 
     def metrics(self) -> list[dict]:
         """metrics.jsonl: one record per step, in step order."""
-        return [json.loads(line) for line in self._metric_lines()]
+        return [record for _, record in self._metric_rows()]
 
     def probe(self) -> dict:
         """probe_counts.json as written (see the module docstring)."""
@@ -231,23 +231,24 @@ class RunDir:
         """A run is finished once its probe was measured after the last step."""
         return (self.path / PROBE).exists() and str(steps) in self.probe()["counts"]
 
-    def _metric_lines(self) -> list[str]:
-        """metrics.jsonl's lines; a last line that is not JSON (a crash mid-write) is dropped with
-        a warning, any other line that is not JSON raises naming the file and the line."""
+    def _metric_rows(self) -> list[tuple[str, dict]]:
+        """metrics.jsonl's (line, record) pairs; a last line that is not JSON (a crash mid-write)
+        is dropped with a warning, any other line that is not JSON raises naming the file and
+        the line."""
         path = self.path / METRICS
         lines = [line for line in path.read_text().splitlines() if line.strip()] if (
             path.exists()) else []
+        rows = []
         for number, line in enumerate(lines, 1):
             try:
-                json.loads(line)
+                rows.append((line, json.loads(line)))
             except json.JSONDecodeError as err:
                 if number < len(lines):
                     raise ValueError(f"{path}, line {number}, is not JSON ({err}); the file is "
                                      "damaged") from None
                 log.warning("%s: dropped its last line, a record cut short (%d characters; the "
                             "run stopped while writing it)", path, len(line))
-                return lines[:-1]
-        return lines
+        return rows
 
     def _counts_row(self) -> list[int]:
         return json.loads((self.path / COUNTS_SHAPE).read_text())["row_shape"]

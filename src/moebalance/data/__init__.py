@@ -20,8 +20,8 @@ from moebalance.data.batching import (SyntheticBatches, TextBatches, batches, nu
                                       pack_row)
 from moebalance.data.corpus import Document, corpus_documents, corpus_files, split_documents
 from moebalance.data.errors import DataError
-from moebalance.data.tokenizer import EOT, train_tokenizer
+from moebalance.data.tokenizer import EOT, read_tokenizer, train_tokenizer
 
 __all__ = ["EOT", "DataError", "Document", "SyntheticBatches", "TextBatches", "batches",
-           "corpus_documents", "corpus_files", "num_rows", "pack_row", "split_documents",
-           "train_tokenizer"]
+           "corpus_documents", "corpus_files", "num_rows", "pack_row", "read_tokenizer",
+           "split_documents", "train_tokenizer"]

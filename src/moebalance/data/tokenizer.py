@@ -113,6 +113,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def read_tokenizer(path: Path, error: str, kind: type[ValueError] = ValueError) -> Tokenizer:
+    """The tokenizer in file `path`; a file that is not one raises `kind(error)`, with the text
+    `{reason}` in `error` replaced by the first line of what HF tokenizers said (it raises a bare
+    Exception for any file it cannot read)."""
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:
+        reason = (str(err) or type(err).__name__).splitlines()[0]
+        raise kind(error.replace("{reason}", reason)) from None
+
+
 def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, Path]:
     """(tokenizer, its cache directory). With `tokenizer_path` that file (the directory is keyed
     by its content); otherwise the BPE of `train_tokenizer` on `train_docs`, cached in a directory
@@ -124,12 +135,10 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
         if not source.is_file():
             raise DataError(f"config key `tokenizer_path`: {cfg.tokenizer_path!r} is not a file; "
                             "give a tokenizer.json or '' to train a byte-level BPE")
-        try:
-            tokenizer = Tokenizer.from_file(str(source))
-        except Exception as err:  # tokenizers raises a bare Exception for any bad file
-            raise DataError(f"config key `tokenizer_path`: cannot load {source} as a tokenizer "
-                            f"({err}); give a tokenizer.json as HF tokenizers' Tokenizer.save "
-                            "writes it, or '' to train a byte-level BPE") from None
+        tokenizer = read_tokenizer(
+            source, f"config key `tokenizer_path`: cannot load {source} as a tokenizer "
+            "({reason}); give a tokenizer.json as HF tokenizers' Tokenizer.save writes it, or '' "
+            "to train a byte-level BPE", DataError)
         content = hashlib.sha256(source.read_bytes()).hexdigest()[:20]
         directory = cache_root(cfg) / f"tokenizer-{content}"
     else:

@@ -33,14 +33,13 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from moebalance.config import Config
-from moebalance.data import EOT
+from moebalance.data import EOT, read_tokenizer
 from moebalance.hf.checkpoint import save
 from moebalance.hf.config import config_to_hf
 from moebalance.model.moe import MoEConfig
 from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint
-from moebalance.training.step import make_optimizer
 
 log = logging.getLogger(__name__)
 TRANSFORMERS_SCORE_FNS = ("sigmoid", "sqrtsoftplus")  # transformers' ACT2FN has no softmax
@@ -75,19 +74,6 @@ def transformers_differences(cfg: Config) -> list[str]:
         warnings.append("the MTP layer is written as mtp.0.* tensors, which transformers does "
                         "not load: same logits, no multi-token prediction there")
     return warnings
-
-
-def restore(run: RunDir, cfg: Config, step: int | None = None) -> tuple[DeepSeekV4, int]:
-    """(the run's model at checkpoint `step`, that step); None: the latest that reads whole."""
-    model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)  # the checkpoint has it
-    if step is None or not run.checkpoints.is_dir():  # restore_latest names a missing directory
-        return model, checkpoint.restore_latest(run.checkpoints, model, optimizer)
-    manager = checkpoint.manager(run.checkpoints)
-    if step not in manager.all_steps():
-        raise FileNotFoundError(f"{run.checkpoints} has no checkpoint of step {step} (it holds "
-                                f"steps {sorted(manager.all_steps())})")
-    return model, checkpoint.load(manager, step, model, optimizer)
 
 
 def cast(model: DeepSeekV4, cfg: Config) -> None:
@@ -133,12 +119,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def _read_tokenizer(run: RunDir) -> Tokenizer | None:
     if not run.tokenizer.is_file():
         return None
-    try:
-        return Tokenizer.from_file(str(run.tokenizer))
-    except Exception as err:  # tokenizers raises a bare Exception for any unreadable file
-        raise ValueError(f"{run.tokenizer} cannot be read as a tokenizer "
-                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-                         ) from None
+    return read_tokenizer(run.tokenizer, f"{run.tokenizer} cannot be read as a tokenizer "
+                          "({reason})")
 
 
 def export(run_dir, out, *, step: int | None = None, dtype: str | None = None,
@@ -152,7 +134,7 @@ def export(run_dir, out, *, step: int | None = None, dtype: str | None = None,
     _check_out(out, overwrite)
     warnings = transformers_differences(cfg)
     tokenizer = _read_tokenizer(run)
-    model, step = restore(run, cfg, step)
+    model, step = checkpoint.restore_model(cfg, run.checkpoints, step)
     cast(model, exported)
     files = (tokenizer_files(EOT, tokenizer.token_to_id(EOT), cfg.max_target_length)
              if tokenizer else {"config.json": {"bos_token_id": None, "eos_token_id": None},

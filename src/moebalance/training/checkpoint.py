@@ -15,6 +15,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from moebalance.config import Config
+from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
+from moebalance.training.step import make_optimizer
+
 log = logging.getLogger(__name__)
 
 
@@ -102,3 +106,20 @@ def restore_latest(directory: Path, model, optimizer) -> int:
                                 "yet (the trainer saves one every checkpoint_period steps and at "
                                 "the end)")
     return restore(manager(directory), model, optimizer, set_aside=False)
+
+
+def restore_model(cfg: Config, directory: Path,
+                  step: int | None = None) -> tuple[DeepSeekV4, int]:
+    """(a model of `cfg` on the default device holding checkpoint `step` of `directory`, that
+    step); None: the latest that reads whole (`restore_latest`). The checkpoint's optimizer state
+    is read alongside, as it is stored with the model, and dropped."""
+    model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    if step is None or not Path(directory).is_dir():  # restore_latest names a missing directory
+        return model, restore_latest(directory, model, optimizer)
+    mgr = manager(directory)
+    if step not in mgr.all_steps():
+        raise FileNotFoundError(f"{directory} has no checkpoint of step {step} (it holds steps "
+                                f"{sorted(mgr.all_steps())})")
+    return model, load(mgr, step, model, optimizer)
+
