@@ -72,3 +72,36 @@ def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():
     after = fit_batch_maxvio()
     assert (before > 1.5).all(), before
     assert (after < 0.04).all(), after  # 1024 tokens x K=2 / 8 experts = 256 per expert
+
+
+def test_probe_set_is_the_first_held_out_micro_batches(tmp_path):
+    """probe_counts.json's set holds `probe_batches` micro-batches of the held-out split in order
+    (two per held-out batch under gradient accumulation), recounted here with the initial
+    weights; the probe of the seed's table is the first; the final set is measured with the
+    run's final biases, and refitted ones."""
+    from moebalance.training import sharding
+    from moebalance.training.loop import build
+    from moebalance.training.step import make_eval_step
+
+    cfg = load_config("deepseek4-smoke", {**SMALL, "probe_batches": 3,
+                                          "gradient_accumulation_steps": 2})
+    train(cfg, tmp_path / "run")
+    probe = json.loads((tmp_path / "run" / "probe_counts.json").read_text())
+    mesh = sharding.make_mesh(cfg)
+    model, _ = build(cfg, mesh, batches(cfg))
+    eval_step = make_eval_step(cfg, model, mesh)
+    held_out = batches(cfg, "eval")
+    expected = []
+    for i in range(2):
+        tokens, mask, segment_ids = sharding.global_batch(mesh, *held_out.batch(i))
+        expected += [np.asarray(eval_step(model, tokens[a], mask[a], segment_ids[a])["counts"])
+                     for a in range(2)]
+    np.testing.assert_array_equal(probe["set"]["counts"]["0"], expected[:3])
+    assert probe["counts"]["0"] == probe["set"]["counts"]["0"][0]
+    for key in ("counts", "refit"):
+        final = np.asarray(probe["set"][key]["3"])
+        assert final.shape == (3, cfg.base_num_decoder_layers, cfg.num_experts)
+        assert probe[key]["3"] == final[0].tolist()
+        assert (final.sum(-1) == 2 * 16 * cfg.num_experts_per_tok).all()
+    with pytest.raises(ConfigError, match="probe_batches.*>= 1"):
+        load_config("deepseek4-smoke", {"probe_batches": 0})

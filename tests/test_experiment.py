@@ -76,7 +76,8 @@ def test_report_command_compares_runs(tmp_path, capsys):
     assert cli.main(["eval", str(tmp_path / "sign"), "--split", "train", "--batches", "1"]) == 0
     assert "training-split loss" in " ".join(capsys.readouterr().out.split())  # rich wraps
     assert cli.main(["eval", str(tmp_path / "sign"), "--batches", "1", "--refit-batches", "1"]) == 0
-    assert "refitted bias" in " ".join(capsys.readouterr().out.split())
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "refitted bias" in printed and "variance per micro-batch with refitted biases" in printed
 
 
 def test_rate_checks():

@@ -316,3 +316,42 @@ def test_printed_ab_table_is_whole_at_any_width(tmp_path, width):
         assert all(word in tokens for word in cell.split()), cell
     parts = printed.count("Expert load per layer")
     assert (parts > 1) == (width < 200)
+
+
+# Probe-set hand case (same E, K and tokens): per micro-batch the top-K layers' variances sum to
+#   batch 0: [4,0,2,2] 2 + [3,1,2,2] 0.5 = 2.5;  batch 1: [8,0,0,0] 12 + [4,0,2,2] 2 = 14
+# mean 8.25, std 5.75, min 2.5, max 14; floor 1 per layer, 2 summed.
+SET_B = [FINAL_B, [HASH, [8, 0, 0, 0], [4, 0, 2, 2]]]
+
+
+def test_set_table_hand_case():
+    table = report.set_table({"b": np.asarray(SET_B), "refit_b": None}, ROUTING, 4, 2)
+    assert table == {"batches": 2, "tokens": 4, "floor": 2.0,
+                     "var": {"b": {"mean": 8.25, "std": 5.75, "min": 2.5, "max": 14.0}}}
+
+
+def test_ab_report_shows_the_probe_set_beside_the_seed_table(tmp_path):
+    """Runs that measured a probe set get its table below the seed's, whose numbers stay those
+    of the probe (the set's first micro-batch); a set whose counts do not fit is refused."""
+    runs = {}
+    for name, final, sets in (("a", FINAL_A, [FINAL_A, STEP0]), ("b", FINAL_B, SET_B)):
+        runs[name] = write_run(tmp_path / name, STEP0, final, ROUTING, tokens=4, k=2)
+        probe = json.loads((runs[name] / "probe_counts.json").read_text())
+        probe["set"] = {"counts": {"0": [STEP0, STEP0], "20": sets}}
+        (runs[name] / "probe_counts.json").write_text(json.dumps(probe))
+    plain = report.layer_table(STEP0, FINAL_A, FINAL_B, ROUTING, 4, 2)
+    table = report.ab_report(runs["a"], runs["b"], tmp_path / "out")
+    assert table["rows"] == plain["rows"]
+    assert table["set"]["var"]["b"] == {"mean": 8.25, "std": 5.75, "min": 2.5, "max": 14.0}
+    # Run A: batch 0 [4,0,2,2] 2 + [8,0,0,0] 12 = 14, batch 1 the same (STEP0 == FINAL_A)
+    assert table["set"]["var"]["a"] == {"mean": 14.0, "std": 0.0, "min": 14.0, "max": 14.0}
+    markdown = (tmp_path / "out" / "table.md").read_text()
+    assert "| Run B | 8.25 | 5.75 | 2.50 | 14.00 | 4.12 |" in markdown
+    assert "Improvement (A vs B) of the means: 41.07%" in markdown  # (14 - 8.25) / 14
+    assert "Run B | 8.25" in (tmp_path / "out" / "report.html").read_text().replace(
+        "</td><td>", " | ").replace("<td>", "")
+    probe = json.loads((runs["b"] / "probe_counts.json").read_text())
+    probe["set"]["counts"]["20"] = [[HASH, [8, 0, 0, 0], [4, 0, 2, 1]]] * 2
+    (runs["b"] / "probe_counts.json").write_text(json.dumps(probe))
+    with pytest.raises(ValueError, match="probe set's final .*tokens \\* K"):
+        report.load_run(runs["b"])

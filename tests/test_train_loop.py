@@ -83,6 +83,11 @@ def test_run_directory_metrics_and_counts(tmp_path, capfd):
     assert abs(result["loss"] - last["ce"]) < 0.5
     assert [r["routing"] for r in result["layers"]] == ["hash", "hash", "topk", "topk"]
     assert all(r["maxvio_global"] >= 0 for r in result["layers"])
+    # its two micro-batches are the first two of the run's final probe set, measured the same way
+    probe_set = np.asarray(json.loads((run / "probe_counts.json").read_text())["set"]["counts"]["3"])
+    summed = [load_stats(c)["variance"][2:].sum() for c in probe_set[:2]]
+    assert result["variance"] == pytest.approx({"mean": np.mean(summed), "std": np.std(summed),
+                                                "min": min(summed), "max": max(summed)})
     # with refitted top-k biases: the hash blocks (before any top-k block) cannot change
     refit = evaluate(run, batches=2, refit_batches=2)
     assert refit["loss"] == result["loss"]
@@ -91,6 +96,7 @@ def test_run_directory_metrics_and_counts(tmp_path, capfd):
         if row["routing"] == "hash":
             assert row["maxvio_global_refit"] == row["maxvio_global"]
     assert any(r["maxvio_global_refit"] != r["maxvio_global"] for r in refit["layers"][2:])
+    assert refit["variance"] == result["variance"] != refit["variance_refit"]
     with pytest.raises(ValueError, match="refit_batches >= 0"):
         evaluate(run, refit_batches=-1)
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before

@@ -179,7 +179,13 @@ def _eval(args) -> int:
     for row in result["layers"]:
         table.add_row(str(row["layer"]), row["routing"], f"{row['maxvio_global']:.4f}",
                       *([f"{row['maxvio_global_refit']:.4f}"] if refit else []))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for key, name in (("variance", "the run's biases"), ("variance_refit", "refitted biases")):
+        if key in result:
+            v = result[key]
+            console.print(f"Summed top-k variance per micro-batch with {name}: mean {v['mean']:.2f}"
+                          f", std {v['std']:.2f} (min {v['min']:.2f}, max {v['max']:.2f})")
     return 0
 
 

@@ -98,6 +98,9 @@ class Config:
         "training batches (undamped Quantile Balancing on all their tokens) and keep it: the "
         "saved bias balances the data the run saw as the final weights route it (0: keep the "
         "online bias; runs without routed_bias skip it)")
+    probe_batches: int = _key(8, "held-out micro-batches measured before the first step and "
+                              "after the last (the first is the probe of the seed's table): the "
+                              "A/B report's mean summed variance and its spread over them")
     probe_refit_batches: int = _key(8, "after the last step, also measure the probe with every "
                                     "top-k bias refitted to balance this many fresh training "
                                     "batches: what a perfectly estimated bias reaches (0 = off; "
@@ -218,6 +221,8 @@ def validate(c: Config) -> None:
     _require(c.routed_bias_calibration_batches >= 0, "routed_bias_calibration_batches",
              f"must be >= 0 (0 turns the calibration off), got "
              f"{c.routed_bias_calibration_batches}")
+    _require(c.probe_batches >= 1, "probe_batches",
+             f"must be >= 1 (the first is the probe), got {c.probe_batches}")
     _require(c.probe_refit_batches >= 0, "probe_refit_batches",
              f"must be >= 0 (0 turns the refit off), got {c.probe_refit_batches}")
     for key in ("load_balance_loss_weight",

@@ -60,6 +60,13 @@ def sampling_floor(num_tokens: int, k: int, num_experts: int) -> float:
     return num_tokens * p * (1.0 - p)
 
 
+def summed_variance_spread(batch_counts, layers) -> dict[str, float]:
+    """The judge over many batches: per batch the variance summed over `layers` (e.g. the top-k
+    ones), from counts [num_batches, L, E]; its mean, std (ddof=0), min and max over the batches."""
+    summed = load_stats(batch_counts)["variance"][:, list(layers)].sum(-1)
+    return {"mean": float(summed.mean()), "std": float(summed.std()),
+            "min": float(summed.min()), "max": float(summed.max())}
+
 def maxvio_global(batch_counts) -> np.ndarray:
     """MaxVio of counts accumulated over many batches: [num_batches, ..., E] -> [...]."""
     return load_stats(np.asarray(batch_counts).astype(np.int64).sum(0))["maxvio"]

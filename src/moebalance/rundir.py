@@ -12,7 +12,9 @@
                           {"0": [L][E], "<N>": [L][E]}}, optionally "refit": {"<N>": [L][E]}
                           (the probe with the top-k biases refitted to fresh training batches)
                           and "online": {"<N>": [L][E]} (with the bias the online rule left,
-                          when the run calibrated its biases after the last step)
+                          when the run calibrated its biases after the last step); "set": the
+                          same three for all `probe_batches` held-out micro-batches, [n][L][E]
+                          each (the first is the probe)
     tensorboard/          TensorBoard event files (loss, lr, balance losses, MaxVio per layer)
     checkpoints/N         Orbax checkpoints after N steps (training/checkpoint.py writes them)
 
@@ -179,14 +181,16 @@ class RunDir:
 
     def write_probe(self, key: int, counts, routing: list[str], tokens: int, refit=None,
                     online=None) -> None:
-        """Add the probe's [L, E] counts after `key` steps (with refitted and online biases when
-        given); atomic: a crash leaves the previous file whole."""
+        """Add the probe set's [n, L, E] counts after `key` steps (with refitted and online biases
+        when given): the first micro-batch's as the probe, all n as the set; atomic: a crash
+        leaves the previous file whole."""
         probe = self.probe() if (self.path / PROBE).exists() else {
             "tokens": tokens, "routing": list(routing), "counts": {}}
-        probe["counts"][str(key)] = np.asarray(counts).tolist()
-        for name, value in (("refit", refit), ("online", online)):
+        for name, value in (("counts", counts), ("refit", refit), ("online", online)):
             if value is not None:
-                probe.setdefault(name, {})[str(key)] = np.asarray(value).tolist()
+                value = np.asarray(value)
+                probe.setdefault(name, {})[str(key)] = value[0].tolist()
+                probe.setdefault("set", {}).setdefault(name, {})[str(key)] = value.tolist()
         write_atomic(self.path / PROBE, lambda f: f.write(json.dumps(probe).encode()))
 
     # ---- reading -----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 `ab_report` reproduces the table of docs/seed_experiment.md (same columns, same definitions:
 population variance of per-expert assignment counts, improvement (Var_A - Var_B) / Var_A, a TOTAL
 row over the top-K layers whose improvement is the ratio of the summed variances) and adds the
-sampling floor and MaxVio. `compare_report` puts any number of runs side by side. Both write
+sampling floor and MaxVio, and beside it the probe set's judge (`set_table`: the summed variance's
+mean and spread over `probe_batches` held-out micro-batches). `compare_report` puts any number of
+runs side by side. Both write
 table.md, table.json, four PNGs and a self-contained report.html, and refuse to overwrite an
 earlier report.
 
@@ -26,11 +28,11 @@ import numpy as np
 from moebalance.report.page import write_html
 from moebalance.report.runs import Run, load_run
 from moebalance.report.tables import (column_groups, compare_table, format_markdown, layer_table,
-                                      print_table, table_cells)
+                                      print_table, set_table, table_cells)
 
 __all__ = ["PLOTS", "REPORT_FILES", "Run", "ab_report", "column_groups", "compare_report",
            "compare_table", "format_markdown", "layer_table", "load_run", "print_table",
-           "table_cells", "write_html"]
+           "set_table", "table_cells", "write_html"]
 
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
 REPORT_FILES = ("table.md", "table.json", *PLOTS, "report.html")
@@ -88,6 +90,11 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
                         b.online)
     table["total"].update(loss_a=a.metrics[-1]["loss"], loss_b=b.metrics[-1]["loss"],
                           steps=a.final_step, tokens_per_step=_tokens_per_step(a.config))
+    if a.probe_set and b.probe_set and a.probe_set["final"].shape == b.probe_set["final"].shape:
+        table["set"] = set_table({"step0": a.probe_set["step0"], "a": a.probe_set["final"],
+                                  "b": b.probe_set["final"], "online_b": b.probe_set.get("online"),
+                                  "refit_b": b.probe_set.get("refit")}, a.routing, a.tokens,
+                                 a.config["num_experts_per_tok"])
     runs = [(f"A: {a.name}", a), (f"B: {b.name}", b)]
     _write_outputs(out, table, runs, f"A/B load balancing: {a.name} vs {b.name}", console)
     return table
@@ -117,5 +124,14 @@ def compare_report(runs, out, console=None, *, overwrite: bool = False) -> dict:
     _prepare_out(out, overwrite)
     pairs = [(run.name, run) for run in loaded]
     table = compare_table(pairs)
+    if all(run.probe_set for run in loaded) and len(
+            {run.probe_set["final"].shape for run in loaded}) == 1:
+        sets = {}
+        for run in loaded:
+            sets.update({run.name: run.probe_set["final"],
+                         f"{run.name}, online bias": run.probe_set.get("online"),
+                         f"{run.name}, refitted biases": run.probe_set.get("refit")})
+        table["set"] = set_table(sets, first.routing, first.tokens,
+                                 first.config["num_experts_per_tok"])
     _write_outputs(out, table, pairs, "Load balancing: " + " vs ".join(names), console)
     return table

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from moebalance.report.tables import table_cells
+from moebalance.report.tables import set_cells, table_cells
 
 
 def _config_differences(configs: dict[str, dict]) -> list[tuple[str, list]]:
@@ -44,6 +44,9 @@ def write_html(out_dir, table: dict, pngs, configs: dict[str, dict],
     headers, rows, notes = table_cells(table)
     parts = [f"<h1>{html.escape(title)}</h1>", _html_table(headers, rows, "results"),
              *(f"<p>{html.escape(note)}</p>" for note in notes)]
+    if set_cells(table) is not None:
+        headers, rows, title = set_cells(table)
+        parts += [f"<p>{html.escape(title)}</p>", _html_table(headers, rows, "set")]
     differences = _config_differences(configs)
     if len(configs) > 1 and differences:
         parts += ["<h2>Settings that differ</h2>",

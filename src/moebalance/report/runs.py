@@ -1,6 +1,7 @@
 """A finished run directory, read (through moebalance.rundir, which knows its files) and
 checked: `load_run` -> `Run`. The probe's counts (probe_counts.json, see rundir) must be
-consistent: step 0 and the last step present, [layers, num_experts] each, K per token.
+consistent: step 0 and the last step present, [layers, num_experts] each, K per token (and
+the same for every micro-batch of the probe set, when the run measured one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class Run:
     ranks: int = 1  # expert-parallel ranks the run trained on (1: no expert parallelism)
     refit: np.ndarray | None = None  # [L, E] final probe counts with refitted biases, if measured
     online: np.ndarray | None = None  # [L, E] final probe counts before the calibration, if any
+    # the probe set (probe_batches held-out micro-batches, the probe first), [n, L, E] counts each:
+    # "step0", "final" and, when measured, "refit" and "online"; empty for runs measured before it
+    probe_set: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def load_run(path) -> Run:
@@ -56,14 +60,24 @@ def load_run(path) -> Run:
         refit = checked[f"refitted step {final_step}"] = np.asarray(refit, np.int64)
     if online is not None:
         online = checked[f"online-bias step {final_step}"] = np.asarray(online, np.int64)
+    probe_set = {}
+    stored = probe.get("set", {})
+    for name, (key, step) in {"step0": ("counts", 0), "final": ("counts", final_step),
+                              "refit": ("refit", final_step),
+                              "online": ("online", final_step)}.items():
+        value = stored.get(key, {}).get(str(step))
+        if value is not None:
+            probe_set[name] = checked[f"the probe set's {name}"] = np.asarray(value, np.int64)
     for what, c in checked.items():
-        if c.shape != shape:
+        if c.shape[-2:] != shape:
             raise ValueError(f"{path}: probe counts of {what} have shape {c.shape}, expected "
                              f"[layers, num_experts] = {shape}")
         if (c.sum(-1) != tokens * k).any():
             raise ValueError(f"{path}: probe counts of {what} do not sum to tokens * K = "
                              f"{tokens} * {k} in every layer")
+    if probe_set and len({c.shape for c in probe_set.values()}) > 1:
+        raise ValueError(f"{path}: the probe set's counts differ in their number of batches")
     ranks = len(metrics[-1]["layers"][0].get("rank_load", [0]))
     return Run(name=path.resolve().name, config=config, metrics=metrics, step0=counts[0],
                final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens,
-               ranks=ranks, refit=refit, online=online)
+               ranks=ranks, refit=refit, online=online, probe_set=probe_set)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebalance.metrics import load_stats, rank_loads, sampling_floor
+from moebalance.metrics import load_stats, rank_loads, sampling_floor, summed_variance_spread
 from moebalance.report.runs import ROUTING_LABELS, Run
 
 REFIT_NOTE = ("Refit Var: the probe's variance after the last step with every top-K bias "
@@ -124,6 +124,42 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
 
 
 
+def set_table(counts: dict[str, np.ndarray | None], routing, num_tokens: int, k: int) -> dict:
+    """The probe set's judge: per micro-batch the variance summed over the top-K layers, and its
+    mean, std (ddof=0), min and max over the micro-batches, for each labelled [n, L, E] counts
+    (None: not measured, left out). {"batches": n, "tokens": per micro-batch, "floor": the summed
+    sampling floor, "var": {label: {"mean", "std", "min", "max"}}}."""
+    topk = [i for i, kind in enumerate(routing) if kind == "topk"]
+    var = {label: summed_variance_spread(c, topk) for label, c in counts.items() if c is not None}
+    n = next(len(c) for c in counts.values() if c is not None)
+    floor = sampling_floor(num_tokens, k, next(c for c in counts.values()
+                                               if c is not None).shape[-1])
+    return {"batches": n, "tokens": num_tokens, "floor": floor * len(topk), "var": var}
+
+
+def set_cells(table: dict) -> tuple[list[str], list[list[str]], str] | None:
+    """Headers, rows and title of the probe set's table (None when the table has no set)."""
+    if "set" not in table:
+        return None
+    s = table["set"]
+    labels = {"step0": "Step 0", "a": "Run A", "b": "Run B", "online_b": "Run B, online bias",
+              "refit_b": "Run B, refitted biases"}
+    headers = ["Probe set", "Mean Var", "Std", "Min", "Max", "Mean / Floor"]
+    rows = [[labels.get(key, key), *(f"{v[stat]:.2f}" for stat in ("mean", "std", "min", "max")),
+             f"{v['mean'] / s['floor']:.2f}"] for key, v in s["var"].items()]
+    rows.append(["Floor", f"{s['floor']:.2f}", "", "", "", "1.00"])
+    title = (f"Over the probe set: {s['batches']} held-out micro-batches of {s['tokens']} tokens "
+             "(the probe above is the first); per micro-batch the variance summed over the top-K "
+             "layers, its mean and spread over them.")
+    var = s["var"]
+    if "a" in var and "b" in var:
+        title += (f" Improvement (A vs B) of the means: "
+                  f"{100 * _improvement(var['a']['mean'], var['b']['mean']):.2f}%.")
+    for key, name in (("online_b", "the online bias"), ("refit_b", "refitted biases")):
+        if "b" in var and key in var:
+            title += f" Run B / Run B with {name}: {var['b']['mean'] / var[key]['mean']:.2f}."
+    return headers, rows, title
+
 def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     total, n = table["total"], table["total"]["steps"]
     ranks, refit = "rank_imbalance_a" in total, "var_refit_b" in total
@@ -208,7 +244,12 @@ def format_markdown(table: dict) -> str:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
     body = [line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)]
-    return "\n".join([*body, "", *notes]) + "\n"
+    body += ["", *notes]
+    if "set" in table:
+        headers, rows, title = set_cells(table)
+        body += ["", title, "", line(headers), "|" + "---|" * len(headers),
+                 *(line(r) for r in rows)]
+    return "\n".join(body) + "\n"
 
 
 def column_groups(widths: list[int], keep: int, room: int) -> list[list[int]]:
@@ -250,3 +291,11 @@ def print_table(table: dict, console) -> None:
         console.print(out)
     for note in notes:
         console.print(note)
+    if "set" in table:
+        headers, rows, title = set_cells(table)
+        out = Table(title=title)
+        for i, header in enumerate(headers):
+            out.add_column(header, justify="left" if i == 0 else "right")
+        for row in rows:
+            out.add_row(*row)
+        console.print(out)

@@ -4,7 +4,8 @@ calibration a run applies after its last step.
     refit_biases(cfg, model, mesh, source, first, batches)   -> [L_routed, E] fitted biases
     biases_set_to(model, biases)                              a block that routes with them
     calibrate_biases(cfg, model, mesh, train_data, batches)   the run's own biases := the fit
-    final_probe(cfg, model, mesh, eval_step, probe, train_data) -> the probe's counts at the end
+    probe_counts(eval_step, model, probes)                    -> [n, L, E] counts of the probe set
+    final_probe(cfg, model, mesh, eval_step, probes, train_data) -> the probe set's counts at the end
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moebalance import balancing
 from moebalance.config import Config
@@ -72,22 +74,25 @@ def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data, batches: 
                                    iterations=1))
 
 
-def final_probe(cfg: Config, model: DeepSeekV4, mesh, eval_step, probe, train_data) -> dict:
-    """After the last step: calibrate the biases (when the run does) and measure the probe's
-    [L, E] counts: {"counts": with the run's final biases, "online": with the online rule's bias
-    before the calibration (or None), "refit": with refitted biases (or None)}, and
-    "calibration": the number of batches calibrated on (0: none)."""
-    def probe_counts():
-        return jax.device_get(eval_step(model, *probe)["counts"])
+def probe_counts(eval_step, model: DeepSeekV4, probes: list[tuple]) -> np.ndarray:
+    """[n, L, E] int32: each probe micro-batch's expert counts at the model's current biases."""
+    return np.stack([np.asarray(jax.device_get(eval_step(model, *p)["counts"]), np.int32)
+                     for p in probes])
 
+
+def final_probe(cfg: Config, model: DeepSeekV4, mesh, eval_step, probes, train_data) -> dict:
+    """After the last step: calibrate the biases (when the run does) and measure the probe set
+    ([n, L, E] counts each): {"counts": with the run's final biases, "online": with the online
+    rule's bias before the calibration (or None), "refit": with refitted biases (or None)}, and
+    "calibration": the number of batches calibrated on (0: none)."""
     online, calibration = None, calibration_batches(cfg, model)
     if calibration:
-        online = probe_counts()
+        online = probe_counts(eval_step, model, probes)
         calibrate_biases(cfg, model, mesh, train_data, calibration)
-    counts, refit = probe_counts(), None
+    counts, refit = probe_counts(eval_step, model, probes), None
     if cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model):
         with biases_set_to(model, refit_biases(cfg, model, mesh, train_data, cfg.steps,
                                                cfg.probe_refit_batches)):
-            refit = probe_counts()
+            refit = probe_counts(eval_step, model, probes)
     return {"counts": counts, "online": online, "refit": refit,
             "calibration": calibration}

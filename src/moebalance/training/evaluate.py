@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from moebalance import data
-from moebalance.metrics import maxvio_global
+from moebalance.metrics import maxvio_global, summed_variance_spread
 from moebalance.model.transformer import routed_layers
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint, sharding
@@ -27,7 +27,10 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     text). Counts are accumulated over all of them before MaxVio is taken. With `refit_batches`,
     each layer also gets `maxvio_global_refit`: the same measurement with the top-k biases
     refitted to balance that many fresh training batches (`refit_biases`), i.e. what a perfectly
-    estimated bias would reach on this data. Nothing is written to the run; its bias is only read.
+    estimated bias would reach on this data. With top-k blocks, `variance` (and `variance_refit`)
+    is the judge of the probe set over the measured micro-batches: the variance summed over the
+    top-k layers per micro-batch, its mean, std, min and max. Nothing is written to the run; its
+    bias is only read.
     """
     if (batches is not None and batches < 1) or refit_batches < 0:
         raise ValueError(f"evaluate needs batches >= 1 and refit_batches >= 0, got {batches} and "
@@ -64,11 +67,15 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     routed = routed_layers(model)
     layers = [{"layer": i, "routing": "topk" if i in routed else "hash",
                "maxvio_global": float(m)} for i, m in enumerate(maxvio_global(counts))]
+    result = {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
+              "tokens": int(n_tokens), "batches": batches, "layers": layers}
+    if routed:
+        result["variance"] = summed_variance_spread(counts, routed)
     if refit_batches and routed:
         with biases_set_to(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"),
                                                cfg.steps, refit_batches)):
             refit_counts = measure()[2]
         for row, m in zip(layers, maxvio_global(refit_counts)):
             row["maxvio_global_refit"] = float(m)
-    return {"step": step, "split": split, "loss": loss, "perplexity": math.exp(loss),
-            "tokens": int(n_tokens), "batches": batches, "layers": layers}
+        result["variance_refit"] = summed_variance_spread(refit_counts, routed)
+    return result

@@ -13,6 +13,7 @@ this loop on its own rows of the batch; process 0 writes the run directory and c
 
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import time
@@ -29,7 +30,7 @@ from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, sharding
-from moebalance.training.calibration import final_probe
+from moebalance.training.calibration import final_probe, probe_counts
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
 from moebalance.training.step import make_eval_step, make_optimizer, make_train_step
 
@@ -48,7 +49,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             run.check_new(overwrite)
         mesh = sharding.make_mesh(cfg)
         train_data = data.batches(cfg, "train")  # checks the data before anything is written
-        probe = probe_batch(cfg, mesh)
+        probes = probe_set(cfg, mesh)
         sharding.sync_processes("run directory checked")  # by all, before process 0 writes
         if writer and not resume:
             run.create(cfg, overwrite, train_data.tokenizer)
@@ -64,9 +65,9 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                    for i in range(cfg.base_num_decoder_layers)]
         tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
         if first == 0:  # every process measures (collectives), process 0 writes
-            counts = jax.device_get(eval_step(model, *probe)["counts"])
+            counts = probe_counts(eval_step, model, probes)
             if writer:
-                run.write_probe(0, counts, routing, probe[1].size)
+                run.write_probe(0, counts, routing, probes[0][1].size)
         record = {}
         sinks = Hooks([StepLogFile(run), TensorBoard(run), *hooks] if writer else [])
         with StopRequest() as stop, sinks:
@@ -79,12 +80,12 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                                              routing, mesh.shape["expert"])
                 sinks.step(record, counts)
                 if step + 1 == cfg.steps:
-                    final = final_probe(cfg, model, mesh, eval_step, probe, train_data)
+                    final = final_probe(cfg, model, mesh, eval_step, probes, train_data)
                     if final["calibration"]:
                         sinks.note(f"biases calibrated on the last {final['calibration']} "
                                    "training batches at the final weights")
                     if writer:
-                        run.write_probe(cfg.steps, final["counts"], routing, probe[1].size,
+                        run.write_probe(cfg.steps, final["counts"], routing, probes[0][1].size,
                                         final["refit"], final["online"])
                 if (step + 1) % cfg.checkpoint_period == 0 or step + 1 == cfg.steps or stop.signal:
                     checkpoint.save(checkpoints, step + 1, model, optimizer)
@@ -153,10 +154,16 @@ class StopRequest:
             signal.signal(s, handler)
 
 
-def probe_batch(cfg: Config, mesh) -> tuple:
-    """The fixed measurement batch: micro-batch 0 of held-out batch 0, [B, S+1] / [B, S]."""
-    tokens, mask, segment_ids = data.batches(cfg, "eval").batch(0)
-    return tuple(x[0] for x in sharding.global_batch(mesh, tokens, mask, segment_ids))
+def probe_set(cfg: Config, mesh) -> list[tuple]:
+    """The fixed measurement batches: the first `probe_batches` micro-batches of the held-out
+    split, in order, each (tokens [B, S+1], mask [B, S], segment_ids [B, S]); the first (micro-batch
+    0 of held-out batch 0) is the probe of the seed's table."""
+    source, found = data.batches(cfg, "eval"), []
+    for i in itertools.count():
+        batch = sharding.global_batch(mesh, *source.batch(i))
+        found += [tuple(x[a] for x in batch) for a in range(batch[0].shape[0])]
+        if len(found) >= cfg.probe_batches:
+            return found[:cfg.probe_batches]
 
 
 def _hash_tables(cfg: Config, train_data) -> list | None:
