@@ -16,31 +16,38 @@ SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
              load_balance_loss_weight=1e-3, router_z_loss_weight=1e-4)
 
 
-def test_calibration_refits_the_final_biases_on_the_last_training_batches(tmp_path):
+def test_calibration_refits_the_final_biases_on_fresh_training_batches(tmp_path):
     """Two runs equal but for the calibration: the calibrated run saves the biases that
-    refit_biases fits at the final weights on its last training batches (all 3 when asked for 5),
+    refit_biases fits at the final weights on the next 5 training batches (3-7, none trained on),
     and its probe keeps the online bias's counts, which are the other run's final counts."""
     from moebalance.model.transformer import get_biases
     from moebalance.training import sharding
-    from moebalance.training.calibration import refit_biases
-    from moebalance.training.loop import build
+    from moebalance.training.calibration import biases_set_to, probe_counts, refit_biases
+    from moebalance.training.loop import build, probe_set
+    from moebalance.training.step import make_eval_step
 
     plain = {**SMALL, "probe_refit_batches": 0}
     online_cfg = load_config("deepseek4-smoke", plain)
-    calibrated_cfg = load_config("deepseek4-smoke", {**plain, "routed_bias_calibration_batches": 5})
+    calibrated_cfg = load_config("deepseek4-smoke", {**SMALL, "probe_refit_batches": 2,
+                                                     "routed_bias_calibration_batches": 5})
     train(online_cfg, tmp_path / "online")
     train(calibrated_cfg, tmp_path / "calibrated")
     mesh = sharding.make_mesh(online_cfg)
     source = batches(online_cfg)
     model, optimizer = build(online_cfg, mesh, source)
     checkpoint.restore_latest(RunDir(tmp_path / "online").checkpoints, model, optimizer)
-    expected = refit_biases(online_cfg, model, mesh, source, first=0, batches=3, iterations=1)
+    expected = refit_biases(online_cfg, model, mesh, source, first=3, batches=5, iterations=1)
     checkpoint.restore_latest(RunDir(tmp_path / "calibrated").checkpoints, model, optimizer)
     np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(expected))
+    # the probe's refit, which judges the calibration, fits batches 8-9: after the calibration's
+    with biases_set_to(model, refit_biases(calibrated_cfg, model, mesh, source, 8, 2)):
+        refit = probe_counts(make_eval_step(calibrated_cfg, model, mesh), model,
+                             probe_set(calibrated_cfg, mesh))
     online, calibrated = (json.loads((tmp_path / run / "probe_counts.json").read_text())
                           for run in ("online", "calibrated"))
     assert "online" not in online
     assert calibrated["online"]["3"] == online["counts"]["3"] != calibrated["counts"]["3"]
+    assert calibrated["set"]["refit"]["3"] == refit.tolist()
     with pytest.raises(ConfigError, match="routed_bias_calibration_batches.*>= 0"):
         load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
 

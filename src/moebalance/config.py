@@ -94,17 +94,18 @@ class Config:
         1.0, "the bias rate follows a cosine from its value to value * this at the last step "
         "(1: constant)")
     routed_bias_calibration_batches: int = _key(
-        0, "after the last step, refit every top-k bias at the final weights on the last N "
-        "training batches (undamped Quantile Balancing on all their tokens) and keep it: the "
-        "saved bias balances the data the run saw as the final weights route it (0: keep the "
-        "online bias; runs without routed_bias skip it)")
+        0, "after the last step, refit every top-k bias at the final weights on the next N "
+        "(fresh, never trained on) training batches (undamped Quantile Balancing on all their "
+        "tokens) and keep it: the saved bias balances the data as the final weights route it "
+        "(0: keep the online bias; runs without routed_bias skip it)")
     probe_batches: int = _key(8, "held-out micro-batches measured before the first step and "
                               "after the last (the first is the probe of the seed's table): the "
                               "A/B report's mean summed variance and its spread over them")
     probe_refit_batches: int = _key(8, "after the last step, also measure the probe with every "
                                     "top-k bias refitted to balance this many fresh training "
-                                    "batches: what a perfectly estimated bias reaches (0 = off; "
-                                    "runs without routed_bias skip it)")
+                                    "batches (after the calibration's): what a perfectly "
+                                    "estimated bias reaches (0 = off; runs without routed_bias "
+                                    "skip it)")
     load_balance_loss_weight: float = _key(0.0, "weight of the sequence-wise balance loss")
     sequence_loss_mode: str = _key("deepseek", "sequence loss: deepseek (paper) | maxtext")
     global_balance_loss_weight: float = _key(0.0, "weight of the global-batch (Switch) loss")

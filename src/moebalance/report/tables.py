@@ -14,7 +14,7 @@ REFIT_NOTE = ("Refit Var: the probe's variance after the last step with every to
               "reaches on this probe; above the floor when the probe's tokens are not "
               "independent draws.")
 ONLINE_NOTE = ("Online Var: the probe's variance with the bias the online rule left after the last "
-               "step, before the run calibrated it on its last training batches at the final "
+               "step, before the run calibrated it on fresh training batches at the final "
                "weights (routed_bias_calibration_batches).")
 
 

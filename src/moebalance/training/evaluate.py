@@ -13,7 +13,7 @@ from moebalance.metrics import maxvio_global, summed_variance_spread
 from moebalance.model.transformer import routed_layers
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint, sharding
-from moebalance.training.calibration import biases_set_to, refit_biases
+from moebalance.training.calibration import biases_set_to, first_unused_batch, refit_biases
 from moebalance.training.loop import build
 from moebalance.training.step import make_eval_step
 
@@ -73,7 +73,7 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
         result["variance"] = summed_variance_spread(counts, routed)
     if refit_batches and routed:
         with biases_set_to(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"),
-                                               cfg.steps, refit_batches)):
+                                               first_unused_batch(cfg), refit_batches)):
             refit_counts = measure()[2]
         for row, m in zip(layers, maxvio_global(refit_counts)):
             row["maxvio_global_refit"] = float(m)

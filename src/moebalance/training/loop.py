@@ -82,8 +82,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                 if step + 1 == cfg.steps:
                     final = final_probe(cfg, model, mesh, eval_step, probes, train_data)
                     if final["calibration"]:
-                        sinks.note(f"biases calibrated on the last {final['calibration']} "
-                                   "training batches at the final weights")
+                        sinks.note(f"biases calibrated on the next {final['calibration']} "
+                                   "(fresh) training batches at the final weights")
                     if writer:
                         run.write_probe(cfg.steps, final["counts"], routing, probes[0][1].size,
                                         final["refit"], final["online"])
