@@ -5,31 +5,47 @@ config's data (text for deepseek4-tiny; the tokenizer is built once and cached).
 line per dtype: model and data init time, compile time (first call), mean step time over the next
 `--steps` calls and the CPU seconds they took (all threads), tokens/s, the bytes of the parameters
 and optimizer state, the process's peak resident memory (ru_maxrss, compilation included) and, on
-an accelerator, the device allocator's peak.
+an accelerator, the device allocator's peak (of the whole process so far).
 
-Model FLOPs are 6 x active parameters x tokens (`parameter_counts`: every matmul a token runs, the
-head included, the embedding lookup and unchosen experts not; the attention scores, a few percent
-at these shapes, and an MTP layer are not counted). `mfu` divides the achieved model FLOP/s by a
-dense square GEMM of the step's dtype timed in the same run (8192^3 on an accelerator, 1024^3 on a
-CPU): the utilisation of what this machine's matmul unit really delivers, not of a datasheet peak.
+Model FLOPs per step (`model_flops`) = 6 x active parameters x tokens (`parameter_counts`: every
+matmul a token runs, the head included, the embedding lookup and unchosen experts not), less the
+backward of the lightning indexer's weights (its top-k passes no gradient: 2 x, not 6 x), plus the
+attention entries each query really attends, read from the batch's segments: its window keys
+(at most `sliding_window_size`), on CSA layers the indexer's top-k of the visible compressed
+entries, on HCA layers every visible one (12 x heads x head_dim each: QK and PV, forward and
+backward), and the indexer's scoring of every visible CSA entry (forward only). Not counted: the
+sink, softmaxes, norms, the compressors' pooling, the hyper-connections' stream mixing, an MTP
+layer, and what full remat recomputes. `mfu` divides the achieved model FLOP/s by the device's
+datasheet peak for the dtype (`PEAK_FLOPS`; null where the table has none, e.g. on a CPU);
+`of_dense_gemm` by a dense square GEMM of the step's dtype timed in the same run (8192^3 on an
+accelerator, 1024^3 on a CPU): what this machine's matmul unit really delivers.
+
+`--record PATH` appends each run to a JSON record (created if missing; see `append_record`), the
+form of benchmarks/results/h200.json.
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
-                                    [--steps 5] [--dtypes float32,bfloat16] [key=value ...]
+                                    [--steps 5] [--dtypes float32,bfloat16]
+                                    [--record PATH] [--notes TEXT] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import resource
 import time
+from pathlib import Path
 
+import flax
 import jax
+import numpy as np
 from flax import nnx
 
+from moebalance.atomic import write_atomic
 from moebalance.config import load_config
 from moebalance.data import batches
-from moebalance.model.transformer import parameter_counts
+from moebalance.model.transformer import DeepSeekV4, parameter_counts, placeholder_hash_tables
 from moebalance.runtime import reexec_with_hugepage_malloc
 from moebalance.training import sharding
 from moebalance.training.loop import build
@@ -47,6 +63,123 @@ def dense_gemm_gflops(dtype: str = "float32", size: int | None = None, repeats: 
     for _ in range(repeats):
         jax.block_until_ready(matmul(a))
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+# Dense datasheet peaks in FLOP/s by device kind (jax's `device_kind`) and compute dtype.
+PEAK_FLOPS = {
+    "NVIDIA H200": {"bfloat16": 989e12},
+    "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12},
+}
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+    """The datasheet's dense peak of a device for a dtype, None where the table has none."""
+    return PEAK_FLOPS.get(device_kind, {}).get(dtype)
+
+
+def mfu(flops_per_step: float, step_s: float, device_kind: str, dtype: str) -> float | None:
+    """Model FLOP/s over the device's datasheet peak for the dtype; None where that is unknown."""
+    peak = peak_flops(device_kind, dtype)
+    return round(flops_per_step / step_s / peak, 4) if peak else None
+
+
+def indexer_parameters(cfg) -> int:
+    """Parameters of the lightning indexers (their projections and compressors), by abstract
+    evaluation."""
+    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg),
+                                              rngs=nnx.Rngs(0)))
+    return sum(int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+               if "indexer" in path and path[0] != "mtp")
+
+
+def attended_entries(cfg, segment_ids: np.ndarray) -> dict[str, int]:
+    """Summed over every query of the rows segment_ids [..., S] (contiguous segments) and every
+    layer: the window keys it attends (`window`), the compressed entries it attends (`compressed`:
+    on CSA layers min(index_topk, visible), on HCA layers all visible) and the compressed entries
+    the indexer scores (`indexed`: the visible ones of CSA layers). Compressed entry i is visible
+    to query t iff t >= (i+1) r - 1 and the first token it pools lies in t's segment (model/
+    attention.py)."""
+    rows = np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1])
+    s = rows.shape[1]
+    t = np.arange(s)
+    new = np.concatenate([np.ones((len(rows), 1), bool), rows[:, 1:] != rows[:, :-1]], axis=1)
+    start = np.maximum.accumulate(np.where(new, t, 0), axis=1)  # first token of t's segment
+    counts = {"window": 0, "compressed": 0, "indexed": 0}
+    for r in cfg.compress_ratios[:cfg.base_num_decoder_layers]:
+        counts["window"] += int(np.minimum(cfg.sliding_window_size, t - start + 1).sum())
+        if not r or s < r:
+            continue
+        # entries pooling only t's segment: i*r >= start (r = 4 pools from (i-1)*r, entry 0 from 0)
+        first = -(-start // r) + ((start > 0) if r == 4 else 0)
+        visible = np.maximum((t + 1) // r - first, 0)
+        if r == 4:
+            counts["indexed"] += int(visible.sum())
+            visible = np.minimum(visible, min(cfg.index_topk, s // r))
+        counts["compressed"] += int(visible.sum())
+    return counts
+
+
+def model_flops(cfg, segment_ids: np.ndarray) -> dict[str, float]:
+    """Model FLOPs of one training step on a batch of these segments (module docstring):
+    `parameters` (6 x active x tokens, the indexers' weights 2 x), `attention` (12 x heads x
+    head_dim per attended entry), `indexer` (2 x index heads x (index head dim + 1) per scored
+    entry) and their `total`."""
+    tokens = int(np.prod(np.shape(segment_ids)))
+    entries = attended_entries(cfg, segment_ids)
+    out = {
+        "parameters": float(6 * parameter_counts(cfg)["active"] - 4 * indexer_parameters(cfg))
+        * tokens,
+        "attention": 12.0 * cfg.base_num_query_heads * cfg.head_dim
+        * (entries["window"] + entries["compressed"]),
+        "indexer": 2.0 * cfg.index_n_heads * (cfg.index_head_dim + 1) * entries["indexed"],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def expert_layout(cfg) -> str:
+    """The expert layout the step runs (model/moe.py: `auto` is ragged on a TPU, else blocked)."""
+    if cfg.capacity_factor > 0:
+        return f"capacity (factor {cfg.capacity_factor})"
+    layout = cfg.moe_dispatch
+    if layout == "auto":
+        layout = "ragged" if jax.default_backend() == "tpu" else "blocked"
+    return f"blocked, {cfg.moe_block_size} rows per block" if layout == "blocked" else layout
+
+
+def record_run(result: dict, notes: str = "") -> dict:
+    """One run of a record (benchmarks/results/h200.json) from a `bench` result."""
+    flops = result["model_flops"]
+    note = (f"{result['layers']} layers, {result['batch']} x {result['seq']} tokens, "
+            f"{result['dtype']}; model TFLOP per step {flops['total'] / 1e12:.4g} (parameters "
+            f"{flops['parameters'] / 1e12:.4g}, attention {flops['attention'] / 1e12:.4g}, "
+            f"indexer {flops['indexer'] / 1e12:.4g})")
+    if result["overrides"]:
+        note += "; " + " ".join(result["overrides"])
+    return {
+        "config": result["config"], "tokens_per_step": result["batch"] * result["seq"],
+        "step_s": result["step_s"], "model_tflops": float(f"{flops['total'] / result['step_s'] / 1e12:.4g}"),
+        "mfu": result["mfu"], "compile_s": result["compile_s"],
+        "device_peak_gib": result["device_peak_gb"], "expert_layout": result["expert_layout"],
+        "notes": f"{note}; {notes}" if notes else note,
+    }
+
+
+def append_record(path: Path, run: dict, *, device: str, date: str, jax_version: str,
+                  flax_version: str) -> dict:
+    """Append `run` to the record at `path` (created if missing) and write it atomically:
+    {"device", "date" (of the latest run), "jax", "flax", "runs": [...]}. A record holds one
+    device and software stack: appending a run of another raises ValueError."""
+    path = Path(path)
+    head = {"device": device, "jax": jax_version, "flax": flax_version}
+    record = json.loads(path.read_text()) if path.exists() else {**head, "runs": []}
+    clash = {k: (record.get(k), v) for k, v in head.items() if record.get(k) != v}
+    if clash:
+        raise ValueError(f"{path} records another device or stack: {clash}")
+    record = {"device": device, "date": date, "jax": jax_version, "flax": flax_version,
+              "runs": [*record["runs"], run]}
+    write_atomic(path, lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+    return record
 
 
 def time_step(step, model, optimizer, inputs, steps):
@@ -73,24 +206,30 @@ def bench(config, overrides, batch, seq, steps, dtype):
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
     step = make_train_step(cfg, model, mesh)
-    compile_s, step_s, cpu_s, metrics = time_step(step, model, optimizer,
-                                                  sharding.global_batch(mesh, *data.batch(0)), steps)
-    model_gflop = 6 * parameter_counts(cfg)["active"] * batch * seq / 1e9
+    tokens, mask, segment_ids = data.batch(0)
+    compile_s, step_s, cpu_s, metrics = time_step(
+        step, model, optimizer, sharding.global_batch(mesh, tokens, mask, segment_ids), steps)
+    flops = model_flops(cfg, segment_ids)
+    model_gflop = flops["total"] / 1e9
     gemm = dense_gemm_gflops(dtype)
-    stats = jax.devices()[0].memory_stats()  # an accelerator's allocator; None on a CPU
+    device = jax.devices()[0]
+    stats = device.memory_stats()  # an accelerator's allocator; None on a CPU
     return {
-        "config": config, "layers": cfg.base_num_decoder_layers, "dtype": dtype,
-        "batch": batch, "seq": seq, "init_s": round(init_s, 2),
+        "config": config, "overrides": overrides, "layers": cfg.base_num_decoder_layers,
+        "dtype": dtype, "batch": batch, "seq": seq, "init_s": round(init_s, 2),
         "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "step_cpu_s": round(cpu_s, 3),
         "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(metrics["loss"]), 4),
-        "model_gflop_per_step": round(model_gflop, 1),
+        "model_flops": flops, "model_gflop_per_step": round(model_gflop, 1),
         "model_gflops": round(model_gflop / step_s, 1), "dense_gemm_gflops": round(gemm, 1),
-        "mfu": round(model_gflop / step_s / gemm, 4),
+        "of_dense_gemm": round(model_gflop / step_s / gemm, 4),
+        "mfu": mfu(flops["total"], step_s, device.device_kind, dtype),
+        "expert_layout": expert_layout(cfg),
         "state_gb": round(sum(x.nbytes for x in jax.tree.leaves(nnx.state((model, optimizer))))
                           / 2**30, 3),
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-        "device_peak_gb": round(stats["peak_bytes_in_use"] / 2**30, 3) if stats else None,
-        "backend": jax.default_backend(),
+        "device_peak_gb": round(stats["peak_bytes_in_use"] / 2**30, 3)
+        if stats and "peak_bytes_in_use" in stats else None,
+        "backend": jax.default_backend(), "device": device.device_kind,
     }
 
 
@@ -101,12 +240,19 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--record", type=Path,
+                        help="append each run to this JSON record (benchmarks/results/h200.json)")
+    parser.add_argument("--notes", default="", help="a note for the record's runs")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     reexec_with_hugepage_malloc()
     for dtype in args.dtypes.split(","):
-        print(json.dumps(bench(args.config, args.overrides, args.batch, args.seq, args.steps,
-                               dtype)), flush=True)
+        result = bench(args.config, args.overrides, args.batch, args.seq, args.steps, dtype)
+        print(json.dumps(result), flush=True)
+        if args.record:
+            append_record(args.record, record_run(result, args.notes), device=result["device"],
+                          date=datetime.date.today().isoformat(), jax_version=jax.__version__,
+                          flax_version=flax.__version__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""benchmarks/model_step.py's record: the model FLOPs it counts (attention by the entries really
+attended) against plain loops, the MFU arithmetic, and the record's schema."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moebalance.config import load_config
+from moebalance.model.transformer import parameter_counts
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_KEYS = ["config", "tokens_per_step", "step_s", "model_tflops", "mfu", "compile_s",
+            "device_peak_gib", "expert_layout", "notes"]
+
+
+@pytest.fixture(scope="module")
+def model_step():
+    """benchmarks/model_step.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("model_step", ROOT / "benchmarks" / "model_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    # smoke's shapes with one layer of each kind: window only, CSA (r = 4), HCA (r = 128)
+    return load_config("deepseek4-smoke", ["compress_ratios=[0,4,128,0]", "max_target_length=256"])
+
+
+def _segments() -> np.ndarray:
+    """[1, 2, 256]: one row a single document, the other three documents of 100, 7, 149 tokens."""
+    return np.stack([np.zeros(256, np.int32),
+                     np.repeat(np.arange(3, dtype=np.int32), [100, 7, 149])])[None]
+
+
+def _loops(cfg, segments: np.ndarray) -> tuple[int, int, int]:
+    """(window keys, compressed entries attended, entries the indexer scores) by the definition:
+    query t attends key j iff t - W < j <= t in its segment; compressed entry i is visible iff
+    t >= (i+1) r - 1 and the first token it pools (max((i-1) r, 0) for r = 4, else i r) is in
+    t's segment; CSA keeps at most index_topk of them, HCA all."""
+    window = compressed = indexed = 0
+    for row in segments.reshape(-1, segments.shape[-1]):
+        s = len(row)
+        for r in cfg.compress_ratios:
+            for t in range(s):
+                window += sum(1 for j in range(max(0, t - cfg.sliding_window_size + 1), t + 1)
+                              if row[j] == row[t])
+                if not r:
+                    continue
+                visible = sum(1 for i in range(s // r) if t >= (i + 1) * r - 1
+                              and row[max((i - 1) * r, 0) if r == 4 else i * r] == row[t])
+                if r == 4:
+                    indexed += visible
+                    visible = min(visible, cfg.index_topk)
+                compressed += visible
+    return window, compressed, indexed
+
+
+def test_attended_entries_match_the_definition(model_step, cfg):
+    segments = _segments()
+    counts = model_step.attended_entries(cfg, segments)
+    assert (counts["window"], counts["compressed"], counts["indexed"]) == _loops(cfg, segments)
+
+
+def test_model_flops_by_hand(model_step, cfg):
+    segments = _segments()
+    window, compressed, indexed = _loops(cfg, segments)
+    # the one CSA layer's indexer: wq_b, weights_proj, and its compressor (wkv, wgate at 2 x
+    # index_head_dim for the overlapping r = 4, ape [4, 2 dh], the norm's scale [dh])
+    dh = cfg.index_head_dim
+    indexer = (cfg.q_lora_rank * cfg.index_n_heads * dh + cfg.base_emb_dim * cfg.index_n_heads
+               + 2 * cfg.base_emb_dim * 2 * dh + 4 * 2 * dh + dh)
+    assert model_step.indexer_parameters(cfg) == indexer
+    tokens = 2 * 256
+    expected = {
+        "parameters": (6 * parameter_counts(cfg)["active"] - 4 * indexer) * tokens,
+        "attention": 12 * cfg.base_num_query_heads * cfg.head_dim * (window + compressed),
+        "indexer": 2 * cfg.index_n_heads * (dh + 1) * indexed,
+    }
+    expected["total"] = sum(expected.values())
+    assert model_step.model_flops(cfg, segments) == pytest.approx(expected, rel=1e-12)
+
+
+def test_mfu_is_model_flops_over_step_time_over_the_peak(model_step):
+    assert model_step.mfu(2.5e14, 0.5, "NVIDIA H200", "bfloat16") == round(2.5e14 / 0.5 / 989e12, 4)
+    assert model_step.mfu(2.5e14, 0.5, "cpu", "bfloat16") is None
+    assert model_step.mfu(2.5e14, 0.5, "NVIDIA H200", "float32") is None
+
+
+def test_record_schema_and_append(model_step, cfg, tmp_path):
+    flops = model_step.model_flops(cfg, _segments())
+    step_s = 0.125
+    result = {  # what bench() returns for a run, its measured parts made up
+        "config": "deepseek4-smoke", "overrides": ["compress_ratios=[0,4,128,0]"], "layers": 4,
+        "dtype": "bfloat16", "batch": 2, "seq": 256, "step_s": step_s, "compile_s": 12.5,
+        "model_flops": flops,
+        "mfu": model_step.mfu(flops["total"], step_s, "NVIDIA H200", "bfloat16"),
+        "expert_layout": model_step.expert_layout(cfg), "device_peak_gb": 1.5,
+    }
+    run = model_step.record_run(result, "a note")
+    assert list(run) == RUN_KEYS
+    assert run["tokens_per_step"] == 512
+    assert run["mfu"] == round(flops["total"] / step_s / 989e12, 4)
+    assert math.isclose(run["model_tflops"], flops["total"] / step_s / 1e12, rel_tol=1e-3)
+    assert run["expert_layout"] == "blocked, 256 rows per block"
+    assert run["notes"].endswith("a note") and "compress_ratios" in run["notes"]
+
+    path = tmp_path / "results" / "h200.json"
+    stack = dict(device="NVIDIA H200", jax_version="0.11.2", flax_version="0.12.10")
+    model_step.append_record(path, run, date="2026-12-05", **stack)
+    model_step.append_record(path, {**run, "step_s": 0.25}, date="2026-12-06", **stack)
+    record = json.loads(path.read_text())
+    assert list(record) == ["device", "date", "jax", "flax", "runs"]
+    assert (record["device"], record["date"], record["jax"]) == ("NVIDIA H200", "2026-12-06",
+                                                                 "0.11.2")
+    assert [r["step_s"] for r in record["runs"]] == [step_s, 0.25]
+    assert list(tmp_path.joinpath("results").iterdir()) == [path]  # no temporary file left
+    with pytest.raises(ValueError, match="another device"):
+        model_step.append_record(path, run, date="2026-12-06",
+                                 **{**stack, "device": "NVIDIA H100 80GB HBM3"})
