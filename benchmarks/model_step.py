@@ -158,7 +158,8 @@ def record_run(result: dict, notes: str = "") -> dict:
         note += "; " + " ".join(result["overrides"])
     return {
         "config": result["config"], "tokens_per_step": result["batch"] * result["seq"],
-        "step_s": result["step_s"], "model_tflops": float(f"{flops['total'] / result['step_s'] / 1e12:.4g}"),
+        "step_s": result["step_s"],
+        "model_tflops": float(f"{flops['total'] / result['step_s'] / 1e12:.4g}"),
         "mfu": result["mfu"], "compile_s": result["compile_s"],
         "device_peak_gib": result["device_peak_gb"], "expert_layout": result["expert_layout"],
         "notes": f"{note}; {notes}" if notes else note,

@@ -1,14 +1,24 @@
 """Where one training step's time goes: a per-component profile of the real jitted step.
 
-Traces one step of the trainer's step function with jax.profiler, maps every XLA operation the
-CPU ran to the model component whose `jax.named_scope` it carries (the innermost one: embed, mhc,
+Traces one step of the trainer's step function with jax.profiler and reads the trace: on a CPU
+the XLA operations the host threads ran, on a GPU the kernels of the device's streams (each names
+the XLA operation it belongs to in its `hlo_op`). Every operation is mapped to the model
+component whose `jax.named_scope` it carries (the innermost one: embed, mhc, sinkhorn,
 attention/window/compressor/indexer/compressed, route, dispatch, experts, combine, shared, head,
 loss, balance_loss, optimizer, bias_update; `other` for the rest), forward and backward apart,
-and counts each operation's matmul FLOPs from the compiled HLO. Prints a table (stderr) and one
-JSON object (stdout) with, per component, milliseconds and achieved GFLOP/s, next to the dense
-float32 GEMM rate measured in the same run.
+and its matmul FLOPs are counted from the compiled HLO (dots, cuBLAS calls and fusions holding
+dots). The components are also summed into the parts of a step (`PARTS`), with the copies and
+transposes XLA adds (copy and transpose operations and fusions, whatever their scope) as a part
+of their own. Prints a table (stderr) and one JSON object (stdout): per component and part,
+milliseconds, share of the operations' time and achieved GFLOP/s, next to a dense GEMM of the
+step's dtype timed in the same run.
 
-    python benchmarks/profile_step.py [--config deepseek4-tiny] [--batch 8] [--seq 256] [key=value ...]
+On a GPU, XLA's command buffers (CUDA graphs) are switched off for this run
+(`--xla_gpu_enable_command_buffer=`) so that every kernel is launched, and traced, as its own
+operation; the step time printed is that of this configuration.
+
+    python benchmarks/profile_step.py [--config deepseek4-tiny] [--batch 8] [--seq 256]
+                                      [--top N] [key=value ...]
 """
 
 from __future__ import annotations
@@ -24,35 +34,80 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 
-COMPONENTS = ("embed", "mhc", "window", "compressor", "indexer", "compressed", "attention",
-              "route", "dispatch", "experts", "combine", "shared", "head", "loss",
+COMPONENTS = ("embed", "mhc", "sinkhorn", "window", "compressor", "indexer", "compressed",
+              "attention", "route", "dispatch", "experts", "combine", "shared", "head", "loss",
               "balance_loss", "optimizer", "bias_update")
+# The parts of a step, each a set of components; the copies and transposes XLA adds, whatever
+# their scope, are the part `XLA_COPIES`; unscoped operations are `other`.
+PARTS = (("experts", ("experts",)), ("shared expert", ("shared",)),
+         ("dispatch + combine", ("dispatch", "combine")), ("attention: window", ("window",)),
+         ("attention: compressor", ("compressor",)), ("attention: indexer", ("indexer",)),
+         ("attention: compressed entries", ("compressed",)),
+         ("attention: projections + softmax", ("attention",)),
+         ("hyper-connections", ("mhc", "sinkhorn")),
+         ("router + balancing", ("route", "balance_loss", "bias_update")),
+         ("embedding, head + loss", ("embed", "head", "loss")), ("optimizer", ("optimizer",)))
+XLA_COPIES = "XLA copies + transposes"
 CONTAINERS = ("while", "call", "conditional")  # their time is their body's operations' time
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\S+) ([\w-]+)\((.*)$")
-SHAPE = re.compile(r"^\w+\[([\d,]*)\]")
+COPY_OPCODES = ("copy", "transpose", "copy-start", "copy-done")
+COPY_FUSION = re.compile(r"(^|_)(copy|transpose)(_|$)")
+GEMM_CALLS = re.compile(r'custom_call_target="__cublas\$(lt\$matmul|gemm)')
+NAME = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ")
+DIMS = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def split_instruction(line: str):
+    """An HLO instruction line -> (name, shape text, opcode, the rest after '('), or None.
+    Tuple shapes, e.g. `(bf16[8,4]{1,0}, s8[64]{0})` of a cuBLAS call, are kept whole."""
+    m = NAME.match(line)
+    if not m:
+        return None
+    rest = line[m.end():]
+    if rest.startswith("("):
+        depth = 0
+        for end, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        shape, rest = rest[:end + 1], rest[end + 2:]
+    else:
+        shape, _, rest = rest.partition(" ")
+    op = re.match(r"([\w-]+)\((.*)$", rest)
+    return (m.group(1), shape, *op.groups()) if op else None
+
+
+def _dims(shape: str) -> list[int]:
+    """The first array shape's dimensions (a tuple's first element)."""
+    m = DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
 def parse_hlo(text: str):
-    """-> ({instruction: (opcode, op_name)}, {instruction: matmul FLOPs, fusions included})."""
-    shapes, ops, dots, calls, body = {}, {}, collections.defaultdict(int), {}, None
+    """-> ({instruction: (opcode, op_name)}, {instruction: matmul FLOPs, fusions included}).
+    Matmuls: `dot` (contracting dimensions from the instruction) and cuBLAS custom calls (from
+    their backend config's dot_dimension_numbers); a fusion counts the dots of its computation."""
+    shapes, ops, dots, calls, body = {}, {}, {}, {}, None
     computation_flops = collections.defaultdict(int)
     for line in text.splitlines():
         if line.endswith("{") and "%" in line and "=" not in line.split("(")[0]:
             body = line.split("%")[1].split()[0]  # a computation's first line
             continue
-        m = INSTRUCTION.match(line)
-        if not m:
+        parsed = split_instruction(line)
+        if not parsed:
             continue
-        name, shape, opcode, rest = m.groups()
-        shapes[name] = [int(d) for d in SHAPE.match(shape).group(1).split(",") if d] \
-            if SHAPE.match(shape) else []
+        name, shape, opcode, rest = parsed
+        shapes[name] = _dims(shape)
         op_name = re.search(r'op_name="([^"]*)"', rest)
         ops[name] = (opcode, op_name.group(1) if op_name else "")
+        contracting = None
         if opcode == "dot":
-            lhs = rest.split(",")[0].strip().lstrip("%")
             contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+        elif opcode == "custom-call" and GEMM_CALLS.search(rest):
+            found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+            contracting = found.group(1).replace('"', "") if found else None
+        if contracting is not None:
+            lhs = re.search(r"%([\w.\-]+)", rest).group(1)
             size = math.prod(shapes[lhs][int(d)] for d in contracting.split(",") if d)
             dots[name] = 2 * math.prod(shapes[name]) * size
             computation_flops[body] += dots[name]
@@ -63,6 +118,37 @@ def parse_hlo(text: str):
     return ops, flops
 
 
+def op_times(trace: dict, ops: dict, module: str = "jit_step"):
+    """Microseconds per HLO instruction of `ops` in a jax.profiler trace (trace.json), and the
+    microseconds of device events that name none of them. On a GPU (processes named
+    `/device:...`): the kernels on its `Stream #...` threads, by their `hlo_op`, those of other
+    XLA modules left out; elsewhere: the events named after an instruction."""
+    events = trace["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+    times, unmatched = collections.Counter(), 0.0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name = e["name"]
+        if devices:
+            if e["pid"] not in devices or not threads.get((e["pid"], e.get("tid")), "").startswith(
+                    "Stream #"):
+                continue
+            args = e.get("args", {})
+            if module not in args.get("hlo_module", args.get("hlo module", module)):
+                continue
+            name = args.get("hlo_op", "")
+        if name in ops and ops[name][0] not in CONTAINERS:
+            times[name] += e["dur"]
+        elif devices:
+            unmatched += e["dur"]
+    return times, unmatched
+
+
 def component(op_name: str) -> str:
     """The innermost known named scope of an operation (scopes may sit inside transformation
     names, as in `transpose(jvp(head))/dot_general`)."""
@@ -70,11 +156,44 @@ def component(op_name: str) -> str:
     return scopes[-1] if scopes else "other"
 
 
+def part(name: str, opcode: str, scope: str) -> str:
+    """The part of a step an operation belongs to (PARTS; copies and transposes apart)."""
+    if opcode in COPY_OPCODES or (opcode == "fusion" and COPY_FUSION.search(name.split(".")[0])):
+        return XLA_COPIES
+    return next((p for p, scopes in PARTS if scope in scopes), "other")
+
+
+def summarise(times: dict, ops: dict, flops: dict):
+    """-> (component rows, part rows), each with ms, share and GFLOP/s, largest first."""
+    ms, gflop = collections.Counter(), collections.Counter()
+    part_ms, part_gflop = collections.Counter(), collections.Counter()
+    for name, us in times.items():
+        opcode, op_name = ops[name]
+        scope = component(op_name)
+        key = (scope, "backward" if "transpose(" in op_name else "forward")
+        ms[key] += us / 1e3
+        gflop[key] += flops[name] / 1e9
+        p = part(name, opcode, scope)
+        part_ms[p] += us / 1e3
+        part_gflop[p] += flops[name] / 1e9
+    total = sum(ms.values()) or 1.0
+
+    def rate(g, t):
+        return round(g / t * 1e3, 1) if g and t else None
+
+    components = [{"component": c, "pass": p, "ms": round(t, 1), "share": round(t / total, 3),
+                   "gflops": rate(gflop[(c, p)], t)} for (c, p), t in ms.most_common()]
+    parts = [{"part": p, "ms": round(t, 1), "share": round(t / total, 3),
+              "gflops": rate(part_gflop[p], t)} for p, t in part_ms.most_common()]
+    return components, parts
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="deepseek4-tiny")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps before the traced one")
     parser.add_argument("--top", type=int, default=0,
                         help="also print the N slowest XLA operations with their scopes")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -85,7 +204,8 @@ def main():
     reexec_with_hugepage_malloc()
     dump = tempfile.mkdtemp(prefix="moebalance-hlo-")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                               " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*jit_step.*")
+                               " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*jit_step.*"
+                               " --xla_gpu_enable_command_buffer=")
     import jax
 
     from model_step import dense_gemm_gflops, time_step
@@ -102,7 +222,7 @@ def main():
     model, optimizer = build(cfg, mesh, data)
     step = make_train_step(cfg, model, mesh)
     inputs = sharding.global_batch(mesh, *data.batch(0))
-    compile_s, step_s, _, _ = time_step(step, model, optimizer, inputs, 2)
+    compile_s, step_s, _, _ = time_step(step, model, optimizer, inputs, args.steps)
     trace_dir = tempfile.mkdtemp(prefix="moebalance-trace-")
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     jax.block_until_ready(step(model, optimizer, *inputs))
@@ -113,38 +233,32 @@ def main():
     trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     for folder in (dump, trace_dir):
         shutil.rmtree(folder)
-    ms, gflop, per_op = collections.Counter(), collections.Counter(), collections.Counter()
-    for event in trace["traceEvents"]:
-        if event.get("ph") != "X" or event["name"] not in ops:
-            continue
-        opcode, op_name = ops[event["name"]]
-        if opcode in CONTAINERS:
-            continue
-        key = (component(op_name), "backward" if "transpose(" in op_name else "forward")
-        ms[key] += event["dur"] / 1e3
-        per_op[(event["name"], opcode, op_name)] += event["dur"] / 1e3
-        gflop[key] += flops[event["name"]] / 1e9
-    gemm = dense_gemm_gflops()
-    rows = [{"component": c, "pass": p, "ms": round(t, 1),
-             "share": round(t / sum(ms.values()), 3),
-             "gflops": round(gflop[(c, p)] / t * 1e3, 1) if gflop[(c, p)] else None}
-            for (c, p), t in ms.most_common()]
-    tokens = args.batch * args.seq
+    times, unmatched = op_times(trace, ops)
+    components, parts = summarise(times, ops, flops)
+    gemm = dense_gemm_gflops(cfg.dtype)
     print(f"{'component':<14}{'pass':<10}{'ms':>8}{'share':>8}{'GFLOP/s':>9}", file=sys.stderr)
-    for r in rows:
+    for r in components:
         rate = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
         print(f"{r['component']:<14}{r['pass']:<10}{r['ms']:>8.1f}{r['share']:>8.1%}{rate:>9}",
               file=sys.stderr)
-    for (name, opcode, op_name), t in per_op.most_common(args.top):
-        print(f"{t:8.1f} ms  {opcode:<14}{name:<28}{op_name[-110:]}", file=sys.stderr)
-    total_gflop = sum(gflop.values())
+    print(f"\n{'part':<34}{'ms':>8}{'share':>8}{'GFLOP/s':>9}", file=sys.stderr)
+    for r in parts:
+        rate = "-" if r["gflops"] is None else f"{r['gflops']:.1f}"
+        print(f"{r['part']:<34}{r['ms']:>8.1f}{r['share']:>8.1%}{rate:>9}", file=sys.stderr)
+    for name, t in times.most_common(args.top):
+        opcode, op_name = ops[name]
+        print(f"{t / 1e3:8.1f} ms  {opcode:<14}{name:<28}{op_name[-110:]}", file=sys.stderr)
+    total_gflop = sum(flops[name] for name in times) / 1e9
+    tokens = args.batch * args.seq
     print(json.dumps({
         "config": args.config, "layers": cfg.base_num_decoder_layers, "dtype": cfg.dtype,
-        "batch": args.batch, "seq": args.seq, "compile_s": round(compile_s, 2),
+        "batch": args.batch, "seq": args.seq, "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind, "compile_s": round(compile_s, 2),
         "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
-        "op_ms": round(sum(ms.values()), 1), "matmul_gflop": round(total_gflop, 2),
-        "step_gflops": round(total_gflop / step_s, 1), "dense_gemm_gflops": round(gemm, 1),
-        "components": rows}))
+        "op_ms": round(sum(times.values()) / 1e3, 1),
+        "unmatched_device_ms": round(unmatched / 1e3, 1),
+        "matmul_gflop": round(total_gflop, 2), "step_gflops": round(total_gflop / step_s, 1),
+        "dense_gemm_gflops": round(gemm, 1), "parts": parts, "components": components}))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ RUN_KEYS = ["config", "tokens_per_step", "step_s", "model_tflops", "mfu", "compi
 @pytest.fixture(scope="module")
 def model_step():
     """benchmarks/model_step.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("model_step", ROOT / "benchmarks" / "model_step.py")
+    spec = importlib.util.spec_from_file_location("model_step",
+                                                  ROOT / "benchmarks" / "model_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -125,3 +126,84 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
     with pytest.raises(ValueError, match="another device"):
         model_step.append_record(path, run, date="2026-12-06",
                                  **{**stack, "device": "NVIDIA H100 80GB HBM3"})
+
+
+# benchmarks/profile_step.py: reading the compiled HLO and a GPU trace, without a GPU.
+HLO = """HloModule jit_step
+
+%fused_computation.1 (param_0: bf16[8,16], param_1: bf16[16,4]) -> bf16[8,4] {
+  %param_0 = bf16[8,16]{1,0} parameter(0)
+  %param_1 = bf16[16,4]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,4]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/experts/dot_general"}
+}
+
+ENTRY %main.9 (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,4]{1,0} parameter(1)
+  %custom-call.3 = (bf16[8,4]{1,0}, s8[1024]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp(attention))/window/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %get-tuple-element.1 = bf16[8,4]{1,0} get-tuple-element(%custom-call.3), index=0
+  %fusion.2 = bf16[8,4]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(step)/experts/dot_general"}
+  %transpose_fusion.4 = bf16[4,8]{1,0} fusion(%fusion.2), kind=kLoop, calls=%fused_computation.2, metadata={op_name="jit(step)/mhc/transpose"}
+  ROOT %copy.5 = bf16[8,4]{0,1} copy(%get-tuple-element.1), metadata={op_name="jit(step)/mhc/sinkhorn/copy"}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+    spec = importlib.util.spec_from_file_location("profile_step",
+                                                  ROOT / "benchmarks" / "profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _event(pid, tid, dur, name="kernel", **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": 0, "dur": dur, "name": name, "args": args}
+
+
+def test_parse_hlo_counts_cublas_calls_and_fusions(profile_step):
+    ops, flops = profile_step.parse_hlo(HLO)
+    assert ops["custom-call.3"] == ("custom-call",
+                                    "jit(step)/transpose(jvp(attention))/window/dot_general")
+    gemm = 2 * 8 * 4 * 16
+    assert (flops["custom-call.3"], flops["fusion.2"], flops["dot.1"]) == (gemm, gemm, gemm)
+    assert flops["copy.5"] == flops["transpose_fusion.4"] == 0
+
+
+def test_gpu_trace_by_kernel_hlo_op(profile_step):
+    ops, flops = profile_step.parse_hlo(HLO)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name",
+             "args": {"name": "Stream #7(Compute)"}},
+            {"ph": "M", "pid": 1, "tid": 200, "name": "thread_name", "args": {"name": "XLA Ops"}}]
+    kernels = [_event(1, 7, 10, "sm90_xmma_gemm", hlo_op="custom-call.3", hlo_module="jit_step"),
+               _event(1, 7, 5, hlo_op="fusion.2", hlo_module="jit_step"),
+               _event(1, 7, 4, hlo_op="fusion.2", hlo_module="jit_step"),  # two kernels, one op
+               _event(1, 7, 3, hlo_op="transpose_fusion.4", hlo_module="jit_step"),
+               _event(1, 7, 2, hlo_op="copy.5", hlo_module="jit_step"),
+               _event(1, 7, 6, hlo_op="fusion.2", hlo_module="jit_other"),  # another program
+               _event(1, 7, 1, "MemcpyD2D"),  # no operation of the step
+               _event(1, 200, 100, "fusion.2"),  # the derived XLA Ops line: not again
+               _event(2, 5, 50, "custom-call.3")]  # the host's side of the launch
+    times, unmatched = profile_step.op_times({"traceEvents": meta + kernels}, ops)
+    assert times == {"custom-call.3": 10, "fusion.2": 9, "transpose_fusion.4": 3, "copy.5": 2}
+    assert unmatched == 1
+    components, parts = profile_step.summarise(times, ops, flops)
+    assert {(r["component"], r["pass"]): r["share"] for r in components} == {
+        ("window", "backward"): round(10 / 24, 3), ("experts", "forward"): round(9 / 24, 3),
+        ("mhc", "forward"): round(3 / 24, 3), ("sinkhorn", "forward"): round(2 / 24, 3)}
+    by_part = {r["part"]: r for r in parts}
+    assert set(by_part) == {"attention: window", "experts", "XLA copies + transposes"}
+    assert by_part["XLA copies + transposes"]["share"] == round(5 / 24, 3)
+    assert by_part["experts"]["share"] == round(9 / 24, 3)
+
+
+def test_cpu_trace_by_event_name(profile_step):
+    ops, _ = profile_step.parse_hlo(HLO)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    events = [_event(1, 3, 4, "fusion.2"), _event(1, 3, 2, "copy.5"), _event(1, 4, 9, "main.9"),
+              _event(1, 4, 1, "$python frame")]
+    times, unmatched = profile_step.op_times({"traceEvents": meta + events}, ops)
+    assert times == {"fusion.2": 4, "copy.5": 2} and unmatched == 0

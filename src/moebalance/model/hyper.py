@@ -28,6 +28,7 @@ from flax import nnx
 from moebalance.model.layers import constant, init_normal, rms
 
 
+@jax.named_scope("sinkhorn")
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """[..., m, m] -> doubly stochastic [..., m, m] (rows j, columns i)."""
     *batch, m, _ = logits.shape
