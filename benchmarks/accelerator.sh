@@ -1,34 +1,60 @@
 #!/usr/bin/env bash
-# The accelerator check (docs/performance.md: On one GPU) as one script, for a machine with one GPU
-# and JAX for it installed: the step of benchmarks/configs/deepseek4-d1024.yml (1.1B parameters,
-# 0.25B active, V = 129280, bf16, 8 x 2048 tokens) with the automatic expert layout (blocked on a
-# GPU), the MoE layer alone in both layouts at that model's shape, and the step with the ragged
-# layout (jax.lax.ragged_dot).
-# Each part has its own time limit (a part spends ~45 s initialising and ~80 s compiling on an
-# H200) so that one slow part cannot take the others with it; about 9 minutes in all. Logs go to
-# $OUT (default /tmp/accelerator). Needs the package's dependencies beside the GPU's JAX.
+# The accelerator check of issue 28 (docs/performance.md: On one GPU) as one script, for a
+# machine with one GPU and the GPU image's Python (3.12, JAX 0.11.2, its Flax), no registry:
+#   1. the training step of benchmarks/configs/deepseek4-d1024.yml (1.1B parameters, 0.25B
+#      active, V = 129280, bf16, 8 x 2048 tokens, blocked experts: what `auto` runs on a GPU),
+#   2. the step of benchmarks/configs/deepseek4-flash-slice.yml (V4-Flash's layer width, nine
+#      layers, the 16 experts one device holds under expert parallelism, 1 x 4096 tokens, full
+#      remat; 128.2 GiB planned),
+#   each appended to the record $OUT/h200.json (model_step.py --record; commit it as
+#   benchmarks/results/h200.json) with its JSON line in $OUT/d1024.json, $OUT/flash-slice.json,
+#   3. profile_step.py on the d1024 step: device time by part of the step ($OUT/profile-d1024.json,
+#      its tables in $OUT/log.txt).
+# Each part has its own time limit (a d1024 part spent ~45 s initialising and ~80 s compiling on
+# an H200 on 2026-12-04) so that one slow part cannot take the others with it; under 8 minutes in
+# all. Logs go to $OUT/log.txt (default OUT=/tmp/accelerator).
+# What the image lacks (grain and what it imports, tensorboardX) comes as wheels in .whl/, made
+# here by benchmarks/gpu_wheels.sh and carried by the device tool (`carry: [".whl"]`); they are
+# installed into /tmp/site. The log also says whether `pip install -e .` would resolve there.
 #
-#     PYTHONPATH=src bash benchmarks/accelerator.sh
+#     bash benchmarks/accelerator.sh
 set -u
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/accelerator}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-.95}
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 D1024=benchmarks/configs/deepseek4-d1024.yml
+SLICE=benchmarks/configs/deepseek4-flash-slice.yml
+NOTES="benchmarks/accelerator.sh; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
+# what pyproject.toml names and the image may hold in other versions
+PACKAGES="jax|jaxlib|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain|tokenizers"
+PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf|setuptools"
 
-part() {  # part SECONDS COMMAND...: run it under a time limit, appending to $OUT/log.txt
-    local limit=$1
-    shift
-    echo "== $* (limit ${limit} s)" | tee -a "$OUT/log.txt"
-    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt"
+log() { tee -a "$OUT/log.txt"; }
+
+part() {  # part SECONDS NAME COMMAND...: under a time limit; stdout to $OUT/NAME.json
+    local limit=$1 name=$2 start=$SECONDS
+    shift 2
+    echo "== $name: $* (limit ${limit} s)" | log
+    timeout "$limit" "$@" > "$OUT/$name.json" 2>> "$OUT/log.txt"
+    echo "== $name: exit $? after $((SECONDS - start)) s" | log
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
-    | tee -a "$OUT/log.txt"
-python3 -c "import sys, jax, flax, optax; print(sys.version.split()[0], 'jax', jax.__version__,
-'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" 2>&1 | tee -a "$OUT/log.txt"
-part 240 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 --steps 10 \
-    --dtypes bfloat16
-part 90 python3 benchmarks/moe_layer.py --tokens 16384 --repeats 10 --dtype bfloat16 \
-    --dispatch ragged,blocked --block-sizes 256,512 --shapes 64:6:1024:512 --only-shapes
-part 200 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 --steps 5 \
-    --dtypes bfloat16 moe_dispatch=ragged
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl 2>&1 | log
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | log
+python3 --version | log
+python3 -m pip list 2>/dev/null | grep -iE "^($PACKAGES)\s" | log
+timeout 30 python3 -m pip install --dry-run --no-index --no-build-isolation --find-links .whl \
+    -e . 2>&1 | tail -n 2 | log
+part 150 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
+    --steps 10 --dtypes bfloat16 --record "$OUT/h200.json" --notes "$NOTES"
+part 170 flash-slice python3 benchmarks/model_step.py --config "$SLICE" --batch 1 --seq 4096 \
+    --steps 5 --dtypes bfloat16 --record "$OUT/h200.json" --notes "$NOTES"
+part 140 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 8 \
+    --seq 2048 --steps 1 --top 25
+cat "$OUT/d1024.json" "$OUT/flash-slice.json" "$OUT/profile-d1024.json"
