@@ -19,14 +19,17 @@ RUN_KEYS = ["config", "tokens_per_step", "step_s", "model_tflops", "mfu", "compi
             "device_peak_gib", "expert_layout", "notes"]
 
 
-@pytest.fixture(scope="module")
-def model_step():
-    """benchmarks/model_step.py as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("model_step",
-                                                  ROOT / "benchmarks" / "model_step.py")
+def _benchmark(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def model_step():
+    return _benchmark("model_step")
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +154,7 @@ ENTRY %main.9 (p0: bf16[8,16], p1: bf16[16,4]) -> bf16[8,4] {
 
 @pytest.fixture(scope="module")
 def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step",
-                                                  ROOT / "benchmarks" / "profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("profile_step")
 
 
 def _event(pid, tid, dur, name="kernel", **args):
