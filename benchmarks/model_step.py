@@ -20,11 +20,13 @@ datasheet peak for the dtype (`PEAK_FLOPS`; null where the table has none, e.g. 
 `of_dense_gemm` by a dense square GEMM of the step's dtype timed in the same run (8192^3 on an
 accelerator, 1024^3 on a CPU): what this machine's matmul unit really delivers.
 
-`--record PATH` appends each run to a JSON record (created if missing; see `append_record`), the
-form of benchmarks/results/h200.json.
+`--kernels xla,pallas` runs each expert-matmul kernel (`moe_kernel`) in turn in this process (the
+device peak is the process's so far: run the larger first). `--record PATH` appends each run to a
+JSON record (created if missing; see `append_record`), the form of benchmarks/results/h200.json.
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
                                     [--steps 5] [--dtypes float32,bfloat16]
+                                    [--kernels xla,pallas]
                                     [--record PATH] [--notes TEXT] [key=value ...]
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import resource
 import time
@@ -138,13 +141,16 @@ def model_flops(cfg, segment_ids: np.ndarray) -> dict[str, float]:
 
 
 def expert_layout(cfg) -> str:
-    """The expert layout the step runs (model/moe.py: `auto` is ragged on a TPU, else blocked)."""
+    """The expert layout the step runs (model/moe.py: `auto` is ragged on a TPU, else blocked) and,
+    for blocks, the kernel of their matmuls."""
     if cfg.capacity_factor > 0:
         return f"capacity (factor {cfg.capacity_factor})"
     layout = cfg.moe_dispatch
     if layout == "auto":
         layout = "ragged" if jax.default_backend() == "tpu" else "blocked"
-    return f"blocked, {cfg.moe_block_size} rows per block" if layout == "blocked" else layout
+    if layout == "ragged":
+        return layout
+    return f"blocked, {cfg.moe_block_size} rows per block, {cfg.moe_kernel} matmuls"
 
 
 def record_run(result: dict, notes: str = "") -> dict:
@@ -241,14 +247,19 @@ def main():
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--kernels", default="",
+                        help="comma-separated moe_kernel values to run one after the other "
+                             "(default: the config's)")
     parser.add_argument("--record", type=Path,
                         help="append each run to this JSON record (benchmarks/results/h200.json)")
     parser.add_argument("--notes", default="", help="a note for the record's runs")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
     reexec_with_hugepage_malloc()
-    for dtype in args.dtypes.split(","):
-        result = bench(args.config, args.overrides, args.batch, args.seq, args.steps, dtype)
+    kernels = [[f"moe_kernel={k}"] for k in args.kernels.split(",")] if args.kernels else [[]]
+    for kernel, dtype in itertools.product(kernels, args.dtypes.split(",")):
+        result = bench(args.config, [*args.overrides, *kernel], args.batch, args.seq, args.steps,
+                       dtype)
         print(json.dumps(result), flush=True)
         if args.record:
             append_record(args.record, record_run(result, args.notes), device=result["device"],

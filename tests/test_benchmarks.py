@@ -113,7 +113,7 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
     assert run["tokens_per_step"] == 512
     assert run["mfu"] == round(flops["total"] / step_s / 989e12, 4)
     assert math.isclose(run["model_tflops"], flops["total"] / step_s / 1e12, rel_tol=1e-3)
-    assert run["expert_layout"] == "blocked, 256 rows per block"
+    assert run["expert_layout"] == "blocked, 256 rows per block, xla matmuls"
     assert run["notes"].endswith("a note") and "compress_ratios" in run["notes"]
 
     path = tmp_path / "results" / "h200.json"

@@ -272,6 +272,7 @@ def test_real_shapes_parameter_counts(name, total, active):
         (dict(qk_rope_head_dim=20), "qk_rope_head_dim"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok"),
         (dict(hash_table="modulo"), "hash_table"),
+        (dict(moe_kernel="triton"), "moe_kernel.*choose one of"),
         (dict(head_dim="big"), "head_dim"),
         (dict(num_expert=8), "unknown config key `num_expert`; did you mean num_experts"),
     ],

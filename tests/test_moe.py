@@ -32,9 +32,12 @@ def inputs(seed=1, shape=(2, 9)):
     return x, mask
 
 
-@pytest.mark.parametrize("dispatch", ["blocked", "ragged"])
-def test_dropless_layer_equals_per_token_loop(dispatch):
-    model = make(dispatch=dispatch)
+LAYOUTS = [("blocked", "xla"), ("blocked", "pallas"), ("ragged", "xla")]  # dispatch, kernel
+
+
+@pytest.mark.parametrize("dispatch,kernel", LAYOUTS)
+def test_dropless_layer_equals_per_token_loop(dispatch, kernel):
+    model = make(dispatch=dispatch, kernel=kernel)
     x, mask = inputs()
     y, rec = model(x, mask=mask)
     xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
@@ -52,10 +55,11 @@ def test_dropless_layer_equals_per_token_loop(dispatch):
     assert int(rec.dropped) == 0
 
 
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 1.25])
-def test_capacity_layer_equals_per_token_loop(policy, capacity_factor):
-    model = make(capacity_factor=capacity_factor, drop_policy=policy)
+def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
+    model = make(capacity_factor=capacity_factor, drop_policy=policy, kernel=kernel)
     x, mask = inputs(seed=3)
     y, rec = model(x, mask=mask)
     xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
@@ -103,9 +107,9 @@ def _dense_reference(model, x):
     return jnp.einsum("tef,efd->td", h, model.w2[...]).reshape(x.shape)
 
 
-@pytest.mark.parametrize("dispatch", ["blocked", "ragged"])
-def test_gradients_equal_dense_autodiff(dispatch):
-    model = make(dispatch=dispatch)
+@pytest.mark.parametrize("dispatch,kernel", LAYOUTS)
+def test_gradients_equal_dense_autodiff(dispatch, kernel):
+    model = make(dispatch=dispatch, kernel=kernel)
     x, _ = inputs(seed=5)
     probe = jax.random.normal(jax.random.key(9), x.shape)
 
@@ -137,14 +141,15 @@ def test_blocked_backward_keeps_no_per_block_weights():
     assert not [shape for shape in kept if shape[1:] in ((16, 12), (12, 16))], kept
 
 
-def test_blocked_bfloat16_gradients_equal_ragged_autodiff():
-    """The blocked layer's backward, which picks each block's weights again, in bfloat16 against
-    autodiff of the ragged layout, also in bfloat16."""
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_blocked_bfloat16_gradients_equal_ragged_autodiff(kernel):
+    """The blocked layer's backward (xla: each block's weights picked again; pallas: the
+    grouped-matmul kernels) in bfloat16 against autodiff of the ragged layout, also in bfloat16."""
     x, _ = inputs(seed=5)
     probe = jax.random.normal(jax.random.key(9), x.shape)
     grads = {}
     for dispatch in ("blocked", "ragged"):
-        model = make(dispatch=dispatch, dtype="bfloat16")
+        model = make(dispatch=dispatch, dtype="bfloat16", kernel=kernel)
         grads[dispatch] = nnx.grad(lambda m, x: (m(x)[0].astype(jnp.float32) * probe).sum(),
                                    argnums=(0, 1))(model, x)
     (g_blocked, gx_blocked), (g_ragged, gx_ragged) = grads["blocked"], grads["ragged"]
@@ -220,6 +225,7 @@ def test_hash_routed_layer():
         (dict(n_routing_groups=3, topk_routing_group=1), "divisor"),
         (dict(drop_policy="random"), "unknown drop_policy"),
         (dict(dispatch="einsum"), "unknown dispatch"),
+        (dict(kernel="triton"), "unknown expert kernel"),
         (dict(swiglu_limit=-1.0), "swiglu_limit"),
         (dict(moe_mlp_dim=0), "moe_mlp_dim must be >= 1"),
     ],

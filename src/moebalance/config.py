@@ -17,6 +17,7 @@ import yaml
 
 PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
+EXPERT_KERNELS = ("xla", "pallas")  # the blocked layouts' expert matmuls (model/moe.py)
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
@@ -71,6 +72,9 @@ class Config:
     drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
     moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
     moe_block_size: int = _key(256, "rows per block of the blocked dispatch")
+    moe_kernel: str = _key("xla", "blocked / capacity experts' matmuls: xla (each block's weights "
+                           "picked, then batched matmuls) | pallas (grouped-matmul kernels with "
+                           "their backward pass; Triton on NVIDIA GPUs, interpret mode elsewhere)")
     first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
     hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced")
     hash_table_seed: int = _key(0, "seed of the random hash table")
@@ -277,6 +281,8 @@ def _validate_moe(c: Config) -> None:
              f"unknown policy {c.drop_policy!r}; choose one of {DROP_POLICIES}")
     _require(c.moe_dispatch in DISPATCH_MODES, "moe_dispatch",
              f"unknown layout {c.moe_dispatch!r}; choose one of {DISPATCH_MODES}")
+    _require(c.moe_kernel in EXPERT_KERNELS, "moe_kernel",
+             f"unknown kernel {c.moe_kernel!r}; choose one of {EXPERT_KERNELS}")
     checks = (("num_experts_per_tok", routing.check_topk, (c.num_experts_per_tok, c.num_experts)),
               ("routed_score_func", routing.check_score_fn, (c.routed_score_func,)),
               ("n_routing_groups", routing.check_groups,

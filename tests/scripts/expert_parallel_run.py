@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+import moebalance.model.grouped_matmul as gm
 from moebalance.model.moe import MoE, MoEConfig
 from moebalance.training.sharding import AXES
 
@@ -25,6 +26,9 @@ CASES = {
     "capacity": ((2, 1, 4), {"capacity_factor": 1.0, "drop_policy": "probs"}, False),
     "capacity_position": ((1, 2, 4), {"capacity_factor": 0.8, "drop_policy": "position"}, False),
     "device_limited": ((1, 1, 8), {"n_routing_groups": 8, "topk_routing_group": 2}, False),
+    # the grouped matmul's custom VJP under shard_map, its kernels' maths in plain jnp (Pallas'
+    # interpret mode cannot run under shard_map; tests/test_grouped_matmul.py tests the kernels)
+    "pallas": ((2, 1, 4), {"kernel": "pallas"}, False),
 }
 BATCH, SEQ = 8, 24
 
@@ -50,8 +54,20 @@ def loss_and_grads(model, x, probe):
     return y, indices, dropped, x_grad, weights
 
 
+def plain_block_matmul(x, w, block_expert, *, transpose_w=False):
+    w = w.swapaxes(1, 2) if transpose_w else w
+    return jnp.einsum("nbk,nkf->nbf", x, w[block_expert]).astype(x.dtype)
+
+
+def plain_weight_grad(x, dy, block_expert, num_experts):
+    one_hot = jax.nn.one_hot(block_expert, num_experts, dtype=x.dtype)
+    return jnp.einsum("ne,nbk,nbf->ekf", one_hot, x, dy).astype(x.dtype)
+
+
 def main(out, case):
     shape, overrides, skewed = CASES[case]
+    if overrides.get("kernel") == "pallas":
+        gm.block_matmul, gm.expert_weight_grad = plain_block_matmul, plain_weight_grad
     model = layer(overrides)
     if skewed:
         model.bias[...] = jnp.where(jnp.arange(16) < 4, 100.0, 0.0)

@@ -26,9 +26,10 @@ from flax import nnx
 
 from moebalance import routing
 from moebalance.balancing import expert_counts
-from moebalance.config import DISPATCH_MODES, DROP_POLICIES, Config
+from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Config
 from moebalance.model.dispatch import gather_rows, plan_dispatch
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
+from moebalance.model.grouped_matmul import grouped_matmul
 from moebalance.model.layers import constant, dense_init
 from moebalance.routing import RoutingRecord
 
@@ -61,6 +62,7 @@ class MoEConfig:
     drop_policy: str = "probs"  # over capacity: drop lowest weight ('probs') or latest ('position')
     dispatch: str = "auto"  # blocked | ragged (jax.lax.ragged_dot) | auto: ragged on TPU only
     block_size: int = 256  # rows per block of the blocked dispatch
+    kernel: str = "xla"  # blocked / capacity expert matmuls: xla | pallas (model/grouped_matmul.py)
     ep_buffer_factor: float = 2.0  # expert parallelism: fast-path send slots (expert_parallel.py)
     dtype: str = "float32"  # activation / matmul dtype
     weight_dtype: str = "float32"  # parameter storage dtype
@@ -83,6 +85,8 @@ class MoEConfig:
             raise ValueError(f"unknown drop_policy {self.drop_policy!r}; choose {DROP_POLICIES}")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; choose {DISPATCH_MODES}")
+        if self.kernel not in EXPERT_KERNELS:
+            raise ValueError(f"unknown expert kernel {self.kernel!r}; choose {EXPERT_KERNELS}")
         for name in ("dtype", "weight_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError naming an unknown dtype
 
@@ -99,7 +103,7 @@ class MoEConfig:
             topk_routing_group=cfg.routed_device_limit or cfg.topk_routing_group,
             swiglu_limit=cfg.swiglu_limit, capacity_factor=cfg.capacity_factor,
             drop_policy=cfg.drop_policy, dispatch=cfg.moe_dispatch,
-            block_size=cfg.moe_block_size, ep_buffer_factor=cfg.ep_buffer_factor,
+            block_size=cfg.moe_block_size, kernel=cfg.moe_kernel, ep_buffer_factor=cfg.ep_buffer_factor,
             dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
         )
 
@@ -121,26 +125,38 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 def _keep_block_matmuls(prim, *_, **params) -> bool:
-    """Remat policy: of the intermediates, keep for the backward pass only the outputs of matmuls
-    with a batch (block) dimension; the per-block weights (`_pick`, matmuls without one) and the
-    SwiGLU's elementwise steps are recomputed."""
-    return prim is jax.lax.dot_general_p and bool(params["dimension_numbers"][1][0])
+    """Remat policy: of the intermediates, keep for the backward pass only the expert matmuls'
+    outputs (matmuls with a batch (block) dimension, or the Pallas kernels); the per-block weights
+    (`_pick`, matmuls without one) and the SwiGLU's elementwise steps are recomputed."""
+    if prim is jax.lax.dot_general_p:
+        return bool(params["dimension_numbers"][1][0])
+    return prim.name == "pallas_call"
 
 
-@functools.partial(jax.checkpoint, static_argnums=(6,), policy=_keep_block_matmuls)
-def _blocked_mlp(blocks, row_weights, block_expert, w1, w3, w2, limit):
+@functools.partial(jax.checkpoint, static_argnums=(6, 7), policy=_keep_block_matmuls)
+def _blocked_mlp(blocks, row_weights, block_expert, w1, w3, w2, limit, kernel):
     """The blocked layout's experts: [nb, b, D] blocks of one expert each, [nb, b, 1] routing
-    weights, [nb] expert per block -> [nb, b, D], with w1 / w3 [E', D, F], w2 [E', F, D].
-
-    Each block's weights [nb, D, F] are picked by a one-hot matmul (E' / b of the block matmul's
-    FLOPs; faster than a gather on CPU, and its transpose, the weight gradient, is a matmul rather
-    than a scatter-add). They are not kept for the backward pass but picked again there: kept,
-    they cost nb / E' times the expert weights per layer (Flash's largest block on 256 devices:
-    80 GiB of residuals with them, 15 without)."""
-    gate = jnp.einsum("nbd,ndf->nbf", blocks, _pick(block_expert, w1))
-    up = jnp.einsum("nbd,ndf->nbf", blocks, _pick(block_expert, w3))
+    weights, [nb] expert per block -> [nb, b, D], with w1 / w3 [E', D, F], w2 [E', F, D]; each
+    matmul by `kernel` (`_block_matmul`)."""
+    gate = _block_matmul(blocks, w1, block_expert, kernel)
+    up = _block_matmul(blocks, w3, block_expert, kernel)
     h = (swiglu(gate, up, limit) * row_weights).astype(blocks.dtype)  # [nb, b, F]
-    return jnp.einsum("nbf,nfd->nbd", h, _pick(block_expert, w2))
+    return _block_matmul(h, w2, block_expert, kernel)
+
+
+def _block_matmul(x, w, block_expert, kernel):
+    """y[n] = x[n] @ w[block_expert[n]]: [nb, b, K], [E', K, N] -> [nb, b, N].
+
+    kernel 'pallas': the grouped-matmul kernels of model/grouped_matmul.py, which read each
+    expert's weights in place. 'xla': each block's weights [nb, K, N] are picked by a one-hot
+    matmul (E' / b of the block matmul's FLOPs; faster than a gather on CPU, and its transpose,
+    the weight gradient, is a matmul rather than a scatter-add), then one batched matmul. The
+    picked weights are not kept for the backward pass but picked again there: kept, they cost
+    nb / E' times the expert weights per layer (Flash's largest block on 256 devices: 80 GiB of
+    residuals with them, 15 without)."""
+    if kernel == "pallas":
+        return grouped_matmul(x, w, block_expert)
+    return jnp.einsum("nbk,nkf->nbf", x, _pick(block_expert, w))
 
 
 def _pick(block_expert, w):
@@ -249,7 +265,7 @@ class MoE(nnx.Module):
             return jax.lax.ragged_dot((h * row_weights).astype(self.dtype), w2, sizes)
         blocks = rows.reshape(-1, plan.block, rows.shape[-1])  # [nb, b, D]
         out = _blocked_mlp(blocks, row_weights.reshape(*blocks.shape[:2], 1), plan.block_expert,
-                           w1, w3, w2, c.swiglu_limit)
+                           w1, w3, w2, c.swiglu_limit, c.kernel)
         return out.reshape(rows.shape)  # [P, D]
 
     def routed(self, xt, rec, valid):
