@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The accelerator check of issue 28 (docs/performance.md: On one GPU) as one script, for a
 # machine with one GPU and the GPU image's Python (3.12, JAX 0.11.2, its Flax), no registry:
+#   0. the MoE layer alone (moe_layer.py) at d1024's expert shape (64 experts top-6, 1024 x 512)
+#      and the Flash slice's (16 top-6, 4096 x 2048), 16,384 bf16 tokens, with each kernel below,
 #   1. the training step of benchmarks/configs/deepseek4-d1024.yml (1.1B parameters, 0.25B
 #      active, V = 129280, bf16, 8 x 2048 tokens, blocked experts) with each expert-matmul
 #      kernel in turn: `xla` (each block's weights picked, then batched matmuls; the default) and
@@ -13,7 +15,7 @@
 #   3. profile_step.py on the d1024 step with that kernel: device time by part of the step
 #      ($OUT/profile-d1024.json, its tables in $OUT/log.txt).
 # Each part has its own time limit (a d1024 part spent ~45 s initialising and ~80 s compiling on
-# an H200 on 2026-12-04) so that one slow part cannot take the others with it: 490 s in
+# an H200 on 2026-12-04) so that one slow part cannot take the others with it: 510 s in
 # all. Logs go to $OUT/log.txt (default OUT=/tmp/accelerator).
 # What the image lacks (grain and what it imports, tensorboardX) comes as wheels in .whl/, made
 # here by benchmarks/gpu_wheels.sh and carried by the device tool (`carry: [".whl"]`); they are
@@ -53,15 +55,17 @@ python3 --version | log
 python3 -m pip list 2>/dev/null | grep -iE "^($PACKAGES)\s" | log
 timeout 30 python3 -m pip install --dry-run --no-index --no-build-isolation --find-links .whl \
     -e . 2>&1 | tail -n 2 | log
-part 240 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
+part 60 moe-layer python3 benchmarks/moe_layer.py --tokens 16384 --repeats 10 --dtype bfloat16 \
+    --dispatch blocked --kernels xla,pallas --shapes 64:6:1024:512,16:6:4096:2048 --only-shapes
+part 220 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
     --steps 5 --dtypes bfloat16 --kernels xla,pallas --record "$OUT/h200.json" --notes "$NOTES"
 KERNEL=$(python3 -c 'import json, sys
 runs = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
 print(min(runs, key=lambda r: r["step_s"])["overrides"][-1].split("=")[1] if runs else "xla")' \
     "$OUT/d1024.json" 2>> "$OUT/log.txt" || echo xla)
 echo "== the faster expert kernel: $KERNEL" | log
-part 150 flash-slice python3 benchmarks/model_step.py --config "$SLICE" --batch 1 --seq 4096 \
+part 140 flash-slice python3 benchmarks/model_step.py --config "$SLICE" --batch 1 --seq 4096 \
     --steps 3 --dtypes bfloat16 --record "$OUT/h200.json" --notes "$NOTES" "moe_kernel=$KERNEL"
-part 100 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 8 \
+part 90 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 8 \
     --seq 2048 --steps 1 --top 25 "moe_kernel=$KERNEL"
-cat "$OUT/d1024.json" "$OUT/flash-slice.json" "$OUT/profile-d1024.json"
+cat "$OUT/moe-layer.json" "$OUT/d1024.json" "$OUT/flash-slice.json" "$OUT/profile-d1024.json"
