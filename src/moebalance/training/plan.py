@@ -58,7 +58,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.extend.core import Literal
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, AxisType
 
 from moebalance.config import Config, ConfigError
 from moebalance.model.expert_parallel import fast_slots
@@ -102,11 +102,19 @@ class Plan:
                 "fits": {r: self.fits(r) for r in ("none", "full")}}
 
 
+def mesh_of(shape: tuple) -> AbstractMesh:
+    """An abstract (data, fsdp, expert) mesh of `shape` with the trainer's `Auto` axes (those of
+    `sharding.make_mesh`'s `Mesh`). Named, not left to the default: JAX 0.11 makes an
+    `AbstractMesh`'s axes `Explicit` by default, under which every array traced carries its
+    sharding in its type and the expert-parallel `shard_map` refuses the replicated inputs."""
+    return AbstractMesh(shape, sharding.AXES, axis_types=(AxisType.Auto,) * len(sharding.AXES))
+
+
 def abstract_mesh(cfg: Config, devices: int) -> AbstractMesh:
     """The trainer's (data, fsdp, expert) mesh on `devices` devices, without devices."""
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
-    return AbstractMesh(sharding.mesh_shape(cfg, devices), sharding.AXES)
+    return mesh_of(sharding.mesh_shape(cfg, devices))
 
 
 def abstract_model(cfg: Config) -> DeepSeekV4:
@@ -216,8 +224,7 @@ def block_residuals(cfg: Config, block: Block, mesh: AbstractMesh) -> int:
 def gathered_bytes(blocks: list[Block], mesh: AbstractMesh) -> int:
     """What a device holds of the largest block's weights while running it beyond its own
     shard: the weights gathered over fsdp, the routed experts still split over `expert`."""
-    whole = AbstractMesh((mesh.shape["data"] * mesh.shape["fsdp"], 1, mesh.shape["expert"]),
-                         sharding.AXES)
+    whole = mesh_of((mesh.shape["data"] * mesh.shape["fsdp"], 1, mesh.shape["expert"]))
     return max(param_bytes(b, whole) - param_bytes(b, mesh) for b in blocks)
 
 
