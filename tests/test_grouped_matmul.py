@@ -98,7 +98,12 @@ def test_kernels_lower_to_triton_for_gpus(monkeypatch):
     x, w, experts = _arrays(*CASES[1], dtype=jnp.bfloat16)
     grad = jax.jit(jax.grad(lambda x, w: gm.grouped_matmul(x, w, experts).astype(
         jnp.float32).sum(), (0, 1)))
-    text = grad.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    # the GPU lowered for, an H100 (sm_90): JAX 0.11's Triton lowering takes it from the device,
+    # real or abstract, and refuses without one (JAX 0.10 assumed sm_90 off a GPU)
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                       platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=h100)):
+        text = grad.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @([\w$.]+)", text) == ["__gpu$xla.gpu.triton"] * 3
 
 
