@@ -1,7 +1,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import reference as ref
@@ -85,14 +85,20 @@ def test_bias_never_changes_weights_of_a_selection(seed, score_fn):
     i1, w1, _ = routing.route(logits, b1, k=3, score_fn=score_fn)
     i2, w2, _ = routing.route(logits, b2, k=3, score_fn=score_fn)
     i0, w0, _ = routing.route(logits, b1 + 7.0, k=3, score_fn=score_fn)  # a uniform shift
-    np.testing.assert_array_equal(i0, i1)
-    np.testing.assert_array_equal(w0, w1)
+    # A uniform shift keeps each token's chosen set and its weights (the order of selection may
+    # swap near-ties, since score + bias + 7 rounds to fewer bits; to 1 ulp of the normaliser).
+    o0, o1 = np.argsort(i0, -1), np.argsort(i1, -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(i0), o0, -1),
+                                  np.take_along_axis(np.asarray(i1), o1, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w0), o0, -1),
+                               np.take_along_axis(np.asarray(w1), o1, -1), rtol=3e-7, atol=0)
     # Tokens whose chosen SET is the same under both biases get the same weight per expert.
-    o1, o2 = np.argsort(i1, -1), np.argsort(i2, -1)
+    o2 = np.argsort(i2, -1)
     i1, w1 = np.take_along_axis(np.asarray(i1), o1, -1), np.take_along_axis(np.asarray(w1), o1, -1)
     i2, w2 = np.take_along_axis(np.asarray(i2), o2, -1), np.take_along_axis(np.asarray(w2), o2, -1)
     same = np.all(i1 == i2, axis=-1)
-    assert same.any() and not same.all()
+    assert same.any()
+    assume(not same.all())  # the two biases must change some token's set
     # (to 1 ulp: the normaliser sums the same weights in the order of selection)
     np.testing.assert_allclose(w1[same], w2[same], rtol=3e-7, atol=0)
 
