@@ -86,9 +86,13 @@ def _dims(shape: str) -> list[int]:
 def parse_hlo(text: str):
     """-> ({instruction: (opcode, op_name)}, {instruction: matmul FLOPs, fusions included}).
     Matmuls: `dot` (contracting dimensions from the instruction) and cuBLAS custom calls (from
-    their backend config's dot_dimension_numbers); a fusion counts the dots of its computation."""
+    their backend config's dot_dimension_numbers); a fusion counts the dots of its computation.
+    The FLOPs are those of every execution in one step: an operation inside a `while` body
+    (a layer scan, the micro-batch loop) counts its loop's known trip count times, nested loops
+    multiplied, as the trace sums the time of every execution."""
     shapes, ops, dots, calls, body = {}, {}, {}, {}, None
     computation_flops = collections.defaultdict(int)
+    home, callees = {}, collections.defaultdict(list)  # computation -> [(callee, times)]
     for line in text.splitlines():
         if line.endswith("{") and "%" in line and "=" not in line.split("(")[0]:
             body = line.split("%")[1].split()[0]  # a computation's first line
@@ -97,7 +101,7 @@ def parse_hlo(text: str):
         if not parsed:
             continue
         name, shape, opcode, rest = parsed
-        shapes[name] = _dims(shape)
+        shapes[name], home[name] = _dims(shape), body
         op_name = re.search(r'op_name="([^"]*)"', rest)
         ops[name] = (opcode, op_name.group(1) if op_name else "")
         contracting = None
@@ -114,7 +118,24 @@ def parse_hlo(text: str):
         called = re.search(r"calls=%([\w.\-]+)", rest)
         if called and opcode == "fusion":
             calls[name] = called.group(1)
-    flops = {name: dots.get(name, 0) + computation_flops.get(calls.get(name), 0) for name in ops}
+        elif opcode == "while":
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+            callees[body].append((re.search(r"body=%([\w.\-]+)", rest).group(1),
+                                  int(trips.group(1)) if trips else 1))
+        elif opcode == "call":
+            callees[body].append((re.search(r"to_apply=%([\w.\-]+)", rest).group(1), 1))
+        elif opcode == "conditional":  # every branch counted once: an upper bound
+            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            callees[body] += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches.group(1) if branches
+                              else " ".join(re.findall(r"_computation=%[\w.\-]+", rest)))]
+    # A computation is defined before its callers and the entry comes last, so in reverse order
+    # every caller's count is final before its callees'.
+    times = collections.Counter({body: 1})
+    for computation in reversed(list(dict.fromkeys(home.values()))):
+        for callee, trips in callees[computation]:
+            times[callee] += times[computation] * trips
+    flops = {name: (dots.get(name, 0) + computation_flops.get(calls.get(name), 0))
+             * times.get(home[name], 1) for name in ops}
     return ops, flops
 
 

@@ -170,6 +170,46 @@ def test_parse_hlo_counts_cublas_calls_and_fusions(profile_step):
     assert flops["copy.5"] == flops["transpose_fusion.4"] == 0
 
 
+LOOP_HLO = """HloModule jit_step
+
+%inner_body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %w = f32[8,8]{1,0} constant({...})
+  %dot.7 = f32[4,8]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%i, %dot.7)
+}
+
+%outer_body (q: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %q = (s32[], f32[4,8]{1,0}) parameter(0)
+  ROOT %while.2 = (s32[], f32[4,8]{1,0}) while(%q), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+%called (r: f32[4,8]) -> f32[4,8] {
+  %r = f32[4,8]{1,0} parameter(0)
+  ROOT %while.3 = (s32[], f32[4,8]{1,0}) while(%r), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+}
+
+ENTRY %main (e: f32[4,8]) -> f32[4,4] {
+  %e = f32[4,8]{1,0} parameter(0)
+  %call.1 = f32[4,8]{1,0} call(%e), to_apply=%called
+  %while.1 = (s32[], f32[4,8]{1,0}) while(%e), condition=%cond, body=%outer_body, backend_config={"known_trip_count":{"n":"2"}}
+  ROOT %dot.9 = f32[4,4]{1,0} dot(%e, %e), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_parse_hlo_counts_every_execution_inside_loops(profile_step):
+    # the inner loop body runs 3 times per run of the outer body, which runs 2 times from the
+    # entry and 5 times from a called computation: 3 * (2 + 5) = 21 executions of dot.7
+    _, flops = profile_step.parse_hlo(LOOP_HLO)
+    dot = 2 * 4 * 8 * 8
+    assert flops["dot.7"] == 21 * dot
+    assert flops["dot.9"] == 2 * 4 * 4 * 8  # in the entry: once
+    assert flops["while.1"] == flops["call.1"] == 0
+
+
 def test_gpu_trace_by_kernel_hlo_op(profile_step):
     ops, flops = profile_step.parse_hlo(HLO)
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
