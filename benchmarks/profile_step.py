@@ -125,9 +125,10 @@ def parse_hlo(text: str):
         elif opcode == "call":
             callees[body].append((re.search(r"to_apply=%([\w.\-]+)", rest).group(1), 1))
         elif opcode == "conditional":  # every branch counted once: an upper bound
-            branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
-            callees[body] += [(c, 1) for c in re.findall(r"%([\w.\-]+)", branches.group(1) if branches
-                              else " ".join(re.findall(r"_computation=%[\w.\-]+", rest)))]
+            listed = re.search(r"branch_computations=\{([^}]*)\}", rest)
+            branches = (re.findall(r"%([\w.\-]+)", listed.group(1)) if listed
+                        else re.findall(r"_computation=%([\w.\-]+)", rest))  # true/false form
+            callees[body] += [(branch, 1) for branch in branches]
     # A computation is defined before its callers and the entry comes last, so in reverse order
     # every caller's count is final before its callees'.
     times = collections.Counter({body: 1})
