@@ -4,8 +4,10 @@ For each shape (vocabulary, batch, sequence), in one sitting: NeMo's step (a pee
 nemo_dsv4_step.py, that trains the deepseek4-tiny model in NeMo's config, fp32, AdamW, gate-bias
 update and aux loss on, and writes its median step time as JSON) and this project's step
 (benchmarks/model_step.py: deepseek4-tiny on synthetic tokens, fp32, the default recipe's
-Quantile Balancing and sequence loss), each in a fresh process. Prints one JSON line per shape
-with both tokens/s and their ratio.
+Quantile Balancing and sequence loss), each in a fresh process. Prints one JSON line describing
+the machine (CPU model, cores this process may use, the thread settings both sides inherit), then
+one per shape with both tokens/s and their ratio: the ratio depends on the CPU (1.8x to 3.9x on
+the machines of docs/performance.md), so quote it with the machine line.
 
 The NeMo side is not part of this repository: it needs a NeMo Automodel environment of your own,
 a Python with PyTorch and NeMo Automodel installed (--peer-python) and the peer script
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,38 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHAPES = [(8192, 8, 256), (129280, 4, 256)]  # (vocabulary, batch, sequence)
+# Environment variables that set either side's thread pools (XLA's, PyTorch's OpenMP and MKL).
+THREAD_VARIABLES = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTEROP_THREADS")
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The processor's name from /proc/cpuinfo's text ('model name', or 'Model' on Arm)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model") and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags(cpuinfo: str) -> list[str]:
+    """The vector extensions that decide matmul speed on x86 (AVX2, AVX-512, AMX), as listed."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return sorted(f for f in value.split() if f in ("avx2", "avx512f", "amx_tile"))
+    return []
+
+
+def machine() -> dict:
+    """What the ratio depends on: the CPU, the cores this process may use, thread settings."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    return {"cpu": cpu_model(cpuinfo), "vector_flags": cpu_flags(cpuinfo),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "threads": {name: os.environ.get(name) for name in THREAD_VARIABLES}}
 
 
 def nemo(peer_python: str, script: Path, vocab: int, batch: int, seq: int, steps: int) -> dict:
@@ -64,6 +99,7 @@ def main():
     if not args.nemo_script:
         parser.error("give --nemo-script PATH (or set MOEBALANCE_NEMO_SCRIPT): the NeMo peer "
                      "script is not part of this repository")
+    print(json.dumps({"machine": machine()}), flush=True)
     for vocab, batch, seq in SHAPES:
         peer = nemo(args.peer_python, Path(args.nemo_script), vocab, batch, seq, args.steps)
         mine = ours(vocab, batch, seq, args.steps)

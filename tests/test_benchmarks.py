@@ -246,3 +246,18 @@ def test_cpu_trace_by_event_name(profile_step):
               _event(1, 4, 1, "$python frame")]
     times, unmatched = profile_step.op_times({"traceEvents": meta + events}, ops)
     assert times == {"fusion.2": 4, "copy.5": 2} and unmatched == 0
+
+
+def test_vs_nemo_names_the_machine_its_ratio_was_measured_on():
+    vs_nemo = _benchmark("vs_nemo")
+    xeon = ("processor\t: 0\nvendor_id\t: GenuineIntel\n"
+            "model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"
+            "flags\t\t: fpu sse2 avx avx2 avx512f avx512bw amx_bf16 amx_tile\n\n"
+            "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n")
+    assert vs_nemo.cpu_model(xeon) == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert vs_nemo.cpu_flags(xeon) == ["amx_tile", "avx2", "avx512f"]
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nModel\t: Raspberry Pi 5\n"
+    assert vs_nemo.cpu_model(arm) == "Raspberry Pi 5"
+    assert vs_nemo.cpu_flags(arm) == []
+    described = vs_nemo.machine()
+    assert described["cores"] >= 1 and set(described["threads"]) == set(vs_nemo.THREAD_VARIABLES)

@@ -89,7 +89,10 @@ def test_run_directory_metrics_and_counts(tmp_path, capfd):
     assert result["variance"] == pytest.approx({"mean": np.mean(summed), "std": np.std(summed),
                                                 "min": min(summed), "max": max(summed)})
     # with refitted top-k biases: the hash blocks (before any top-k block) cannot change
-    refit = evaluate(run, batches=2, refit_batches=2)
+    seen = []
+    refit = evaluate(run, batches=2, refit_batches=2, on_batch=lambda *a: seen.append(a))
+    assert seen == [("measuring", 1, 2), ("measuring", 2, 2),  # progress of each pass
+                    ("with refitted biases", 1, 2), ("with refitted biases", 2, 2)]
     assert refit["loss"] == result["loss"]
     for plain, row in zip(result["layers"], refit["layers"]):
         assert row["maxvio_global"] == plain["maxvio_global"]

@@ -160,12 +160,21 @@ def _report(args) -> int:
 def _eval(args) -> int:
     """Evaluate a run's latest checkpoint on one split's batches; the run is left untouched."""
     from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
     from moebalance.training.evaluate import evaluate
 
-    result = evaluate(args.run_dir, batches=args.batches, split=args.split,
-                      refit_batches=args.refit_batches)
+    tasks = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=Console(stderr=True), transient=True, disable=args.quiet) as bar:
+        def on_batch(phase, done, total):
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(f"eval {args.split} split, {phase}", total=total)
+            bar.update(tasks[phase], completed=done)
+
+        result = evaluate(args.run_dir, batches=args.batches, split=args.split,
+                          refit_batches=args.refit_batches, on_batch=on_batch)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -19,7 +20,8 @@ from moebalance.training.step import make_eval_step
 
 
 def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
-             refit_batches: int = 0) -> dict:
+             refit_batches: int = 0,
+             on_batch: Callable[[str, int, int], None] | None = None) -> dict:
     """Loss, perplexity and per-layer MaxVio_global of the run's latest checkpoint on a split.
 
     `batches` batches of `split` (default: the whole split once for text, 4 for synthetic data;
@@ -30,7 +32,8 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     estimated bias would reach on this data. With top-k blocks, `variance` (and `variance_refit`)
     is the judge of the probe set over the measured micro-batches: the variance summed over the
     top-k layers per micro-batch, its mean, std, min and max. Nothing is written to the run; its
-    bias is only read.
+    bias is only read. `on_batch(phase, done, total)`, if given, is called after each global batch
+    of each pass ('measuring', then 'with refitted biases'): the progress of a long evaluation.
     """
     if (batches is not None and batches < 1) or refit_batches < 0:
         raise ValueError(f"evaluate needs batches >= 1 and refit_batches >= 0, got {batches} and "
@@ -46,7 +49,7 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
 
-    def measure():  # -> (CE summed over the valid targets, their number, [n, L, E] counts)
+    def measure(phase):  # -> (CE summed over the valid targets, their number, [n, L, E] counts)
         ce_sum = n_tokens = 0.0
         counts = []
         for i in range(batches):
@@ -56,9 +59,11 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
                 ce_sum += float(out["ce_sum"])
                 n_tokens += float(out["tokens"])
                 counts.append(np.asarray(out["counts"]))
+            if on_batch is not None:
+                on_batch(phase, i + 1, batches)
         return ce_sum, n_tokens, np.stack(counts)
 
-    ce_sum, n_tokens, counts = measure()
+    ce_sum, n_tokens, counts = measure("measuring")
     loss = ce_sum / n_tokens
     if not math.isfinite(loss):
         raise FloatingPointError(f"{run.checkpoints / str(step)} gives the loss {loss}: its "
@@ -74,7 +79,7 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     if refit_batches and routed:
         with biases_set_to(model, refit_biases(cfg, model, mesh, data.batches(cfg, "train"),
                                                first_unused_batch(cfg), refit_batches)):
-            refit_counts = measure()[2]
+            refit_counts = measure("with refitted biases")[2]
         for row, m in zip(layers, maxvio_global(refit_counts)):
             row["maxvio_global_refit"] = float(m)
         result["variance_refit"] = summed_variance_spread(refit_counts, routed)
