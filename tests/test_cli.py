@@ -1,6 +1,7 @@
 """The command line's own behaviour: output channels, levels and error messages (no training)."""
 
 import logging
+import re
 
 import pytest
 
@@ -61,3 +62,27 @@ def test_convert_names_a_missing_checkpoint_directory(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert cli.main(["convert", str(tmp_path), str(tmp_path / "out")]) == 2
     assert f"{tmp_path}: no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps, columns", [(2, [0, 1]), (5, [0, 2, 4]), (11, [0, 5, 10]),
+                                            (49, [0, 10, 24, 48]), (50, [0, 10, 25, 49]),
+                                            (51, [0, 10, 25, 50])])
+def test_demo_shows_the_steps_that_exist(capsys, steps, columns):
+    """The MaxVio table's columns are 0, 10, 50, the middle and the last step, those that exist;
+    every row has a value in each."""
+    small = ["--tokens", "64", "--experts", "8", "--k", "2"]
+    assert cli.main(["demo", "--steps", str(steps), *small]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "rule" in line and "osc" in line)
+    assert [int(s) for s in re.findall(r"@(\d+)", header)] == columns
+    quantile = next(line for line in lines if "quantile" in line)
+    assert len(re.findall(r"\d\.\d{3}", quantile)) == len(columns)
+    assert f"over the last {steps} steps" in " ".join(lines)
+
+
+@pytest.mark.parametrize("steps", ["1", "0", "-3"])
+def test_demo_refuses_fewer_than_two_steps(capsys, steps):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["demo", "--steps", steps])
+    assert stop.value.code == 2
+    assert f"argument --steps: must be at least 2, got {steps}" in capsys.readouterr().err

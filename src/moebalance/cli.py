@@ -10,6 +10,23 @@ import sys
 from moebalance import __version__
 
 
+def _demo_marks(steps: int) -> list[int]:
+    """The steps the demo's table shows: 0, 10, 50, the middle and the last, those that exist."""
+    return sorted({0, 10, 50, steps // 2, steps - 1} & set(range(steps)))
+
+
+def _int_at_least(minimum: int):
+    """An argparse type: an int >= minimum, else the usual argparse error naming the option."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid int value" message
+    return parse
+
+
 def _demo(args) -> int:
     """Run the model-free balancer simulation for every rule and print how MaxVio falls."""
     from rich.console import Console
@@ -25,7 +42,8 @@ def _demo(args) -> int:
         f"{sim.num_experts} experts, {sim.score_fn} scores, skewed drifting logits "
         f"(skew {sim.skew}), {args.steps} steps. MaxVio = (max load - mean) / mean."
     )
-    marks = sorted({0, 10, 50, args.steps // 2, args.steps - 1})
+    marks = _demo_marks(args.steps)
+    osc_steps = min(args.steps, 100)
     table = Table(title="MaxVio by step (lower is better)")
     table.add_column("rule")
     table.add_column("rate", justify="right")
@@ -39,10 +57,10 @@ def _demo(args) -> int:
             shown_rate = rate if rate is not None else balancing.DEFAULT_RATES.get(rule, "-")
             maxvio = out["maxvio"]
             table.add_row(label, str(shown_rate), *(f"{maxvio[s]:.3f}" for s in marks),
-                          f"{simulate.overshoot(out['counts'][-100:]):+.2f}")
+                          f"{simulate.overshoot(out['counts'][-osc_steps:]):+.2f}")
     console.print(table)
     console.print(
-        "osc = lag-1 autocorrelation of the load errors over the last 100 steps "
+        f"osc = lag-1 autocorrelation of the load errors over the last {osc_steps} steps "
         "(about 0: noise; near -1: the rule overshoots every step). Fresh tokens every step keep "
         "MaxVio above zero even under perfect balance (the sampling floor)."
     )
@@ -240,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = _output_options()
     demo = sub.add_parser("demo", parents=[common],
                           help="balancer simulation: every bias rule on skewed logits")
-    demo.add_argument("--steps", type=int, default=600)
+    demo.add_argument("--steps", type=_int_at_least(2), default=600,
+                      help="steps to simulate (at least 2: osc compares consecutive steps)")
     demo.add_argument("--experts", type=int, default=16)
     demo.add_argument("--k", type=int, default=4)
     demo.add_argument("--tokens", type=int, default=2048, help="fresh tokens per step")
@@ -364,9 +383,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(logging.WARNING if args.quiet else logging.DEBUG if args.verbose
                   else logging.INFO)
-    if getattr(args, "steps", 2) < 2:
-        print("moebalance: --steps must be at least 2", file=sys.stderr)
-        return 2
     try:
         return args.func(args)
     except RunStopped as stop:
