@@ -190,6 +190,19 @@ def test_balanced_hash_table_beats_the_others_on_zipf_counts():
     np.testing.assert_array_equal(np.bincount(t.ravel(), minlength=4), [2, 2, 2, 2])
 
 
+def test_only_an_unbalanced_hash_table_is_logged(caplog):
+    """Nothing for a table that spreads its counts evenly; one warning for one that cannot:
+    token 0 (10 of 13 occurrences) takes experts 0 and 1, tokens 1-3 go to 2 and 3, so the loads
+    are [10, 10, 3, 3], mean 6.5, expected MaxVio 3.5 / 6.5 = 0.5385."""
+    with caplog.at_level("INFO", logger="moebalance.routing"):
+        routing.build_hash_table(4, 4, 2, "balanced", token_counts=np.ones(4))
+        assert caplog.records == []
+        routing.build_hash_table(4, 4, 2, "balanced", token_counts=np.array([10, 1, 1, 1]))
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert record.getMessage().startswith("hash table 'balanced': expected MaxVio 0.5385 on")
+
+
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
