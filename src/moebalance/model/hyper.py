@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections (mHC), DeepSeek-V4's residual stream. All float32.
+"""Manifold-constrained hyper-connections (mHC), DeepSeek-V4's residual stream. All float32, its
+dots at full float32 precision on any backend (layers.FP32).
 
 The residual is m parallel streams h [B, S, m, D]. Around each sub-layer f (attention, MoE):
 
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moebalance.model.layers import constant, init_normal, rms
+from moebalance.model.layers import FP32, constant, init_normal, rms
 
 
 @jax.named_scope("sinkhorn")
@@ -100,8 +101,10 @@ def _mix_streams_fwd(fy, h, post, comb):
 def _mix_streams_bwd(residuals, g):
     # Four small batched matmuls; XLA's CPU runs the autodiff of the forward ~2x slower.
     fy, h, post, comb = residuals
-    return (jnp.einsum("ti,tid->td", post, g), jnp.einsum("tji,tid->tjd", comb, g),
-            jnp.einsum("tid,td->ti", g, fy), jnp.einsum("tjd,tid->tji", h, g))
+    return (jnp.einsum("ti,tid->td", post, g, precision=FP32),
+            jnp.einsum("tji,tid->tjd", comb, g, precision=FP32),
+            jnp.einsum("tid,td->ti", g, fy, precision=FP32),
+            jnp.einsum("tjd,tid->tji", h, g, precision=FP32))
 
 
 _mix_streams.defvjp(_mix_streams_fwd, _mix_streams_bwd)
@@ -136,13 +139,14 @@ class HyperConnection(nnx.Module):
         m = self.hc
         *batch, _, dim = h.shape
         h32 = h.astype(jnp.float32).reshape(-1, m, dim)  # [T, m, D]
-        mixes = rms(h32.reshape(-1, m * dim), self.norm_eps) @ self.fn[...]  # [T, (2+m)m]
+        mixes = jnp.matmul(rms(h32.reshape(-1, m * dim), self.norm_eps), self.fn[...],
+                           precision=FP32)  # [T, (2+m)m]
         base, scale = self.base[...], self.scale[...]
         pre = jax.nn.sigmoid(mixes[..., :m] * scale[0] + base[:m]) + self.eps
         post = 2.0 * jax.nn.sigmoid(mixes[..., m:2 * m] * scale[1] + base[m:2 * m])
         comb = (mixes[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mixes.shape[:-1], m, m)
         comb = sinkhorn(comb, self.iters, self.eps)
-        y = jnp.einsum("tj,tjd->td", pre, h32)  # [T, D]
+        y = jnp.einsum("tj,tjd->td", pre, h32, precision=FP32)  # [T, D]
         return y.reshape(*batch, dim).astype(h.dtype), post.reshape(*batch, m), comb.reshape(
             *batch, m, m)
 
@@ -169,6 +173,7 @@ class HyperHead(nnx.Module):
     @jax.named_scope("mhc")
     def __call__(self, h: jax.Array) -> jax.Array:
         h32 = h.astype(jnp.float32)
-        mixes = rms(h32.reshape(*h.shape[:-2], -1), self.norm_eps) @ self.fn[...]  # [B, S, m]
+        mixes = jnp.matmul(rms(h32.reshape(*h.shape[:-2], -1), self.norm_eps), self.fn[...],
+                           precision=FP32)  # [B, S, m]
         pre = jax.nn.sigmoid(mixes * self.scale[0] + self.base[...]) + self.eps
-        return jnp.einsum("...j,...jd->...d", pre, h32).astype(h.dtype)
+        return jnp.einsum("...j,...jd->...d", pre, h32, precision=FP32).astype(h.dtype)

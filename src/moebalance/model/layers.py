@@ -9,6 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+# The precision of the float32 dots that decide routing (the router's logits, the hyper-connection
+# maps): full float32 on every backend. TPUs otherwise run a float32 dot as one bfloat16 pass (8
+# mantissa bits), enough to swap near-tied experts; XLA's CPU computes float32 dots in float32
+# either way. Model-dtype matmuls (experts, attention) keep the backend's default.
+FP32 = jax.lax.Precision.HIGHEST
+
 
 def init_normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
     """std * N(0, 1) of `shape`, drawn by NumPy from a seed taken from `rngs`.

@@ -5,7 +5,8 @@
 route -> dispatch -> experts -> combine, each under a `jax.named_scope` of that name. Routed experts
 are SwiGLU with DeepSeek-V4's clamp, the routing weight applied before the down projection; the
 shared experts (0..n) are the same kind of SwiGLU, unweighted. The router's logits, scores and bias
-are float32 whatever the model dtype; the bias is a `RouterBias` variable (never an `nnx.Param`, so
+are float32 whatever the model dtype (the router's matmul at full float32 precision on any
+backend, layers.FP32); the bias is a `RouterBias` variable (never an `nnx.Param`, so
 optimizers built with `wrt=nnx.Param` and `nnx.grad` never touch it), updated by the trainer from the
 layer's `RoutingRecord`. A hash-routed layer holds its token -> experts table as `HashTable` state.
 
@@ -30,7 +31,7 @@ from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Con
 from moebalance.model.dispatch import gather_rows, plan_dispatch
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
 from moebalance.model.grouped_matmul import grouped_matmul
-from moebalance.model.layers import constant, dense_init
+from moebalance.model.layers import FP32, constant, dense_init
 from moebalance.routing import RoutingRecord
 
 
@@ -222,7 +223,7 @@ class MoE(nnx.Module):
     def route(self, x, token_ids, mask):
         """[T, D] -> RoutingRecord of [T, ...] arrays."""
         c = self.config
-        logits = x.astype(jnp.float32) @ self.router[...]  # [T, E]
+        logits = jnp.matmul(x.astype(jnp.float32), self.router[...], precision=FP32)  # [T, E]
         normalize = c.norm_topk_prob
         if self.hash_routed:
             if token_ids is None:

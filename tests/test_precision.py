@@ -1,0 +1,65 @@
+"""The float32 dots that decide routing run at full float32 precision on every backend.
+
+TPUs compute a float32 dot at the default precision as one bfloat16 pass; the router's logits
+and the hyper-connection maps (model/layers.FP32) must not inherit that. Checked on the program
+JAX hands to XLA, so on a CPU: every dot_general of the training loss's gradient, by the named
+scope it comes from (`route`, `mhc`), carries precision HIGHEST, and no bfloat16 matmul does.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moebalance.config import load_config
+from moebalance.model.transformer import DeepSeekV4, routed_layers
+from moebalance.training.step import losses
+
+ROUTING_SCOPES = re.compile(r"\b(route|mhc)\b")
+
+
+def dots(fn, *args) -> list[tuple[str, tuple[str, str], str]]:
+    """(precision, operand element types, named-scope path) of every dot_general in the
+    StableHLO of jax.jit(fn)(*args)."""
+    text = jax.jit(fn).lower(*args).as_text(debug_info=True)
+    scopes = dict(re.findall(r'^(#loc\d+) = loc\("([^"]*)"', text, re.M))
+    found = []
+    for line in text.splitlines():
+        if "stablehlo.dot_general" not in line:
+            continue
+        precision = re.search(r"precision = \[(\w+), \1\]", line)
+        types = re.search(r": \(tensor<(?:[\dx]*x)?(\w+)>, tensor<(?:[\dx]*x)?(\w+)>\)", line)
+        loc = re.search(r"loc\((#loc\d+)\)\s*$", line)
+        found.append((precision.group(1) if precision else "DEFAULT", types.groups(),
+                      scopes[loc.group(1)]))
+    return found
+
+
+def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default():
+    cfg = load_config("deepseek4-smoke", {"max_target_length": 16, "dtype": "bfloat16",
+                                          "load_balance_loss_weight": 1e-2,
+                                          "router_z_loss_weight": 1e-3})
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    routed = routed_layers(model)
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    mask, segments = jnp.ones((2, 16), bool), jnp.zeros((2, 16), jnp.int32)
+
+    def loss(params):
+        model = nnx.merge(graphdef, params, rest)
+        return losses(cfg, model, tokens, mask, segments, routed)[0]
+
+    found = dots(jax.grad(loss), params)  # forward and backward
+    routing = [d for d in found if ROUTING_SCOPES.search(d[2])]
+    # the router (forward, its two backward dots) and every hyper-connection einsum are there
+    assert {"route/dot_general", "transpose(jvp(route))/dot_general"} <= {
+        re.sub(r"^jit\(loss\)/", "", d[2]) for d in routing}
+    for spec in ("tj,tjd->td", "...j,...jd->...d", "ti,tid->td", "tji,tid->tjd", "tid,td->ti",
+                 "tjd,tid->tji"):
+        assert any(f"/{spec}/" in d[2] for d in routing), spec
+    wrong = [d for d in routing if d[0] != "HIGHEST" or d[1] != ("f32", "f32")]
+    assert not wrong, wrong
+    bf16 = [d for d in found if "bf16" in d[1]]
+    assert len(bf16) > 50  # the experts', shared experts' and attention's matmuls
+    assert all(d[0] == "DEFAULT" for d in bf16), [d for d in bf16 if d[0] != "DEFAULT"]
