@@ -152,3 +152,113 @@ def test_docs_pages_exist():
     for name in ("experiment", "results", "training", "data", "distributed", "api", "performance",
                  "config", "load_balancing", "seed_experiment", "architecture"):
         assert (DOCS / f"{name}.md").exists(), name
+
+
+# --- commands ------------------------------------------------------------------------------
+
+_PLACEHOLDER = re.compile(r"^[A-Z][A-Z_0-9]*$|\.\.\.|[\[\]|$<>]")  # CONFIG, RUN_DIR, [--x], $LONG
+_SEPARATORS = re.compile(r"\s*(?:&&|\|\||;|\|)\s*")
+# Subcommands cheap enough to run as written (no training): the others are parsed and their
+# configs and overrides loaded.
+_RUN_AS_WRITTEN = {"params", "plan", "keys", "demo"}
+
+
+def _commands_in(text: str) -> list[tuple[str, bool]]:
+    """Every `moebalance ...` command of a page with whether it is whole: lines of fenced code
+    blocks (continuation lines joined, comments dropped, `&&` chains split) are commands to type;
+    code spans of the prose that name a subcommand (a span may run over a line break) may be
+    mentions that leave out required arguments (`moebalance plan --devices-per-host`)."""
+    found, fenced, prose, block = [], False, [], ""
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            prose.append(line)
+            continue
+        block += line.rstrip("\\").strip() + " "
+        if not line.rstrip().endswith("\\"):
+            found += [(part, True) for part in _SEPARATORS.split(block.split(" # ")[0].strip())
+                      if re.match(r"^(\S*/)?moebalance\s", part)]
+            block = ""
+    for span in re.findall(r"`([^`]+)`", "\n".join(prose)):
+        span = " ".join(span.split())
+        if re.match(r"^moebalance [a-z]+\s", span):
+            found.append((span, False))
+    return found
+
+
+def _concrete(command: str) -> list[str] | None:
+    """The command's arguments after `moebalance`, or None for a synopsis with placeholders."""
+    import shlex
+
+    words = shlex.split(command)[1:]
+    return None if any(_PLACEHOLDER.search(w) for w in words) else words
+
+
+def test_commands_are_found_in_fences_chains_and_spans():
+    page = ("Run `moebalance plan deepseek4-flash\nici_fsdp_parallelism=8 --devices 64` or\n"
+            "```bash\npip install -e . && .venv/bin/moebalance ab deepseek4-tiny \\\n"
+            "    --out runs/ab   # the default\n```\nsee `moebalance ab CONFIG --out DIR`.\n")
+    commands = _commands_in(page)
+    assert commands == [(".venv/bin/moebalance ab deepseek4-tiny --out runs/ab", True),
+                        ("moebalance plan deepseek4-flash ici_fsdp_parallelism=8 --devices 64",
+                         False),
+                        ("moebalance ab CONFIG --out DIR", False)]
+    assert [_concrete(c) for c, _ in commands] == [
+        ["ab", "deepseek4-tiny", "--out", "runs/ab"],
+        ["plan", "deepseek4-flash", "ici_fsdp_parallelism=8", "--devices", "64"], None]
+
+
+def _documented_commands():
+    for page in _pages():
+        for command, whole in _commands_in(page.read_text(encoding="utf-8")):
+            words = _concrete(command)
+            if words is not None:
+                yield pytest.param(words, whole,
+                                   id=f"{page.relative_to(ROOT)}: {' '.join(words)}")
+
+
+@pytest.mark.parametrize(("words", "whole"), list(_documented_commands()))
+def test_documented_command_is_valid(words, whole, monkeypatch, capsys):
+    """Each concrete command of README.md and docs/ parses (a mention in the prose may leave out
+    required arguments and option values, nothing else: an unknown option or choice fails); its config and overrides load; the cheap ones (no
+    training) run as written and succeed."""
+    from moebalance import cli
+    from moebalance.config import load_config
+
+    try:
+        args = cli.build_parser().parse_args(words)
+    except SystemExit:
+        error = capsys.readouterr().err
+        if not whole and ("arguments are required" in error or "expected one argument" in error):
+            return  # a mention: `moebalance eval --refit-batches`
+        pytest.fail(f"`moebalance {' '.join(words)}` does not parse: {error}")
+    if getattr(args, "config", None) is not None:
+        config = ROOT / args.config if (ROOT / args.config).exists() else args.config
+        load_config(config, args.overrides)
+    if args.command in _RUN_AS_WRITTEN:
+        monkeypatch.chdir(ROOT)
+        assert cli.main(words) == 0, capsys.readouterr().err
+
+
+def _synopsis_options():
+    for page in _pages():
+        for command, _ in _commands_in(page.read_text(encoding="utf-8")):
+            words = command.split()[1:]
+            if _concrete(command) is None and words and re.match(r"^[a-z]+$", words[0]):
+                options = sorted({o for o in re.findall(r"(?<![\w-])--[a-z][a-z-]*", command)})
+                if options:
+                    yield pytest.param(words[0], options,
+                                       id=f"{page.relative_to(ROOT)}: {' '.join(words)}")
+
+
+@pytest.mark.parametrize(("command", "options"), list(_synopsis_options()))
+def test_documented_synopsis_names_real_options(command, options):
+    """A synopsis (`moebalance demo [--steps 600] ...`) names only options its subcommand has."""
+    from moebalance import cli
+
+    parser = cli.build_parser()
+    subcommands = next(a for a in parser._actions if a.choices and command in a.choices).choices
+    known = subcommands[command]._option_string_actions
+    assert not [o for o in options if o not in known], f"`moebalance {command}` has no such option"
