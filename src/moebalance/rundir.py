@@ -1,6 +1,7 @@
 """The run directory: the one module that knows its files, and reads and writes them.
 
-    config.yaml           the resolved configuration
+    config.yaml           the resolved configuration; a run resumed with another `steps` has
+                          the new total, and a comment line above per change keeps the old one
     metrics.jsonl         one JSON object per step (loss, lr, grad_norm, tokens_per_s, the balance
                           losses, and `layers`: per MoE block its load statistics and bias stats)
     expert_counts.i32     every step's [L, E] int32 counts, appended raw (row-major);
@@ -143,12 +144,25 @@ class RunDir:
                               "another --out")
         return existing
 
-    def check_resumable(self, cfg: Config, may_differ: tuple[str, ...] = ()) -> None:
-        """Refuses to resume with a config other than the run's own (but for `may_differ`)."""
-        saved = self.config()
-        if dataclasses.replace(saved, **{k: getattr(cfg, k) for k in may_differ}) != cfg:
-            raise RunDirError(f"{self.path} was started with another config; resume it with its "
-                              "own config.yaml")
+    def check_resumable(self, cfg: Config, may_differ: tuple[str, ...] = ()) -> Config:
+        """Refuses to resume with a config other than the run's own, naming every key that
+        differs with both values; `may_differ` may, and so may `steps` while it is above the
+        steps already done (the newest checkpoint's; the run ends at the new total). Returns the
+        run's config."""
+        saved, path = self.config(), self.path / CONFIG
+        differ = [f"{key}: {json.dumps(getattr(saved, key))} in {path}, "
+                  f"{json.dumps(getattr(cfg, key))} given"
+                  for key in (f.name for f in dataclasses.fields(Config))
+                  if key not in (*may_differ, "steps") and getattr(saved, key) != getattr(cfg, key)]
+        if differ:
+            raise RunDirError(f"{self.path} was started with another config ({'; '.join(differ)})"
+                              "; resume it with its own config.yaml (only `steps` may change)")
+        done = self.checkpointed_steps()
+        if cfg.steps != saved.steps and cfg.steps <= done:
+            raise RunDirError(f"steps: {saved.steps} in {path}, {cfg.steps} given, but "
+                              f"{self.path} has already done {done} steps (checkpoints/{done}); "
+                              f"resume it with steps > {done}")
+        return saved
 
     def create(self, cfg: Config, overwrite: bool, tokenizer=None) -> None:
         """Start a run here: empty an earlier one (only with `overwrite`), write the counts' row
@@ -165,7 +179,20 @@ class RunDir:
             {"dtype": "int32", "row_shape": [cfg.base_num_decoder_layers, cfg.num_experts]}))
         if tokenizer is not None:
             write_atomic(self.tokenizer, lambda f: f.write(tokenizer.to_str().encode()))
-        config = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+        self._write_config(dataclasses.asdict(cfg))
+
+    def change_steps(self, steps: int, done: int) -> None:
+        """Record in config.yaml (atomically) that the run, resumed after `done` steps, now ends
+        at `steps`: the new value, and a comment line above the config keeping the old one (one
+        per change, the earliest first)."""
+        history = [line + "\n" for line in (self.path / CONFIG).read_text().splitlines()
+                   if line.startswith("#")]
+        values = self.config_dict()
+        history.append(f"# steps: {values['steps']} -> {steps} on resume after step {done}\n")
+        self._write_config({**values, "steps": steps}, "".join(history))
+
+    def _write_config(self, values: dict, comments: str = "") -> None:
+        config = comments + yaml.safe_dump(values, sort_keys=False)
         write_atomic(self.path / CONFIG, lambda f: f.write(config.encode()))
 
     def rewind(self, step: int) -> None:
@@ -230,6 +257,12 @@ class RunDir:
 
     def has_checkpoint(self) -> bool:
         return self.checkpoints.is_dir() and any(self.checkpoints.iterdir())
+
+    def checkpointed_steps(self) -> int:
+        """The step of the newest checkpoint, checkpoints/N (0: none); resume may fall back to an
+        older one when it does not read back whole."""
+        names = [p.name for p in self.checkpoints.iterdir()] if self.checkpoints.is_dir() else []
+        return max((int(name) for name in names if name.isdigit()), default=0)
 
     def finished(self, steps: int) -> bool:
         """A run is finished once its probe was measured after the last step."""

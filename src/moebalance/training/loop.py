@@ -7,12 +7,16 @@ and the refit are in training/calibration.py.
 Once the steps run, SIGINT / SIGTERM finish the current step, save a checkpoint and raise
 RunStopped; `resume=True` continues from the latest checkpoint, bit-exactly (the data of a step is
 a function of the step, so the step is the data position; training draws no random numbers), or
-starts over when the run stopped before its first checkpoint. On several hosts every process runs
+starts over when the run stopped before its first checkpoint. Resuming with another `steps` (more
+than the checkpoint's; also after the run ended) runs to the new total on schedules recomputed for
+it, records it in config.yaml and says whether the run still equals one started with it
+(`steps_note`). On several hosts every process runs
 this loop on its own rows of the batch; process 0 writes the run directory and calls the hooks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import signal
@@ -30,9 +34,10 @@ from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, sharding
-from moebalance.training.calibration import final_probe, probe_counts
+from moebalance.training.calibration import calibration_batches, final_probe, probe_counts
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
-from moebalance.training.step import make_eval_step, make_optimizer, make_train_step
+from moebalance.training.step import (make_eval_step, make_optimizer, make_train_step,
+                                      schedule_changes)
 
 
 def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
@@ -43,8 +48,9 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     sharding.initialize_distributed(cfg)
     writer = jax.process_index() == 0
     with RunDir(out).writing(writer) as run:
+        planned = cfg.steps  # the run's own total: another on resume extends or shortens it
         if resume:
-            run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS)
+            planned = run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS).steps
         else:
             run.check_new(overwrite)
         mesh = sharding.make_mesh(cfg)
@@ -59,6 +65,13 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             resume and run.has_checkpoint()) else 0  # stopped before its first: start over
         if resume and writer:
             run.rewind(first)
+        changed = None  # the note of a run resumed with another total
+        if planned != cfg.steps:
+            ended = first > 0 and run.finished(first)  # so its biases may have been calibrated
+            changed = steps_note(cfg, planned, first,
+                                 calibrated=ended and calibration_batches(cfg, model) > 0)
+            if writer:
+                run.change_steps(cfg.steps, first)
         step_fn = make_train_step(cfg, model, mesh, program)
         eval_step = make_eval_step(cfg, model, mesh)
         routing = ["topk" if i in routed_layers(model) else "hash"
@@ -72,6 +85,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         sinks = Hooks([StepLogFile(run), TensorBoard(run), *hooks] if writer else [])
         with StopRequest() as stop, sinks:
             sinks.start(first, cfg.steps)
+            if changed:
+                sinks.note(changed)
             for step in range(first, cfg.steps):
                 start = time.perf_counter()
                 batch = sharding.global_batch(mesh, *train_data.batch(step))
@@ -94,6 +109,20 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             if record:
                 sinks.end(record)
     return record
+
+
+def steps_note(cfg: Config, planned: int, first: int, calibrated: bool) -> str:
+    """The line that says a run planned for `planned` steps, resumed after `first` (its biases
+    `calibrated` after that step, as the run then ended), now runs to `cfg.steps`, and whether it
+    ends as a run started with `cfg.steps` would."""
+    unlike = [f"steps 0-{first - 1} had the {planned}-step {rate}"
+              for rate in schedule_changes(dataclasses.replace(cfg, steps=planned), cfg, first)]
+    if calibrated:
+        unlike.append(f"the biases were calibrated after step {first}")
+    verdict = (f"unlike a run started with steps={cfg.steps}, {' and '.join(unlike)}" if unlike
+               else f"the same as a run started with steps={cfg.steps}")
+    return (f"steps {planned} -> {cfg.steps} (config.yaml updated): the schedules are recomputed "
+            f"for {cfg.steps} steps from step {first} on; {verdict}")
 
 
 def step_record(step: int, metrics: dict, seconds: float, tokens: int, routing: list[str],

@@ -135,6 +135,19 @@ def bias_rate(cfg: Config, step):
                                    final_fraction=cfg.routed_bias_update_rate_final_fraction)(step)
 
 
+def schedule_changes(before: Config, after: Config, steps: int) -> list[str]:
+    """The rates that follow a schedule of the step ("learning rate", "bias rate") whose values
+    on steps 0 .. `steps` - 1 differ between `before` and `after`, e.g. a config and the same
+    with another total `steps`. None: a run of `before` resumed after `steps` steps as `after`
+    trains as a run of `after` from the start would (warm-up then a constant rate, when the
+    warm-up is as many steps; a cosine, whose every value depends on the total, never)."""
+    done = jnp.arange(steps)
+    rates = {"learning rate": lambda cfg: lr_schedule(cfg)(done),
+             "bias rate": lambda cfg: bias_rate(cfg, done)}
+    return [name for name, rate in rates.items()
+            if not jnp.array_equal(rate(before), rate(after))]
+
+
 def on_mesh(fn, mesh):
     """`fn` run (and so traced) with `mesh` set, where the MoE layers find it; as is without."""
     if mesh is None:
