@@ -24,11 +24,15 @@ def test_run_a_has_every_balancing_mechanism_off():
     assert a.router_z_loss_weight == cfg.router_z_loss_weight and a.seed == cfg.seed
 
 
-def test_ab_end_to_end(tmp_path):
-    out = tmp_path / "exp"
-    table = ab(load_config("deepseek4-smoke", AB), out)
+def test_ab_end_to_end(tmp_path, capsys, moebalance_logger):
+    out, overrides = tmp_path / "exp", {**AB, "hash_table": "balanced"}
+    command = ["ab", "deepseek4-smoke", *(f"{key}={value}" for key, value in overrides.items()),
+               "--out", str(out)]
+    assert cli.main([*command, "-v"]) == 0
+    verbose = capsys.readouterr()
+    assert verbose.out.count("after step 3") == 2  # -v: each run's per-block table
+    assert "Expert load per layer" in verbose.out  # and the report's
     saved = json.loads((out / "table.json").read_text())
-    assert saved == json.loads(json.dumps(table))
     assert [set(r) for r in saved["rows"]] == [ROW_KEYS | {"var_refit_b"}] * 4
     assert ROW_KEYS | {"loss_a", "loss_b", "steps", "tokens_per_step", "var_refit_b"} <= set(
         saved["total"])
@@ -56,10 +60,30 @@ def test_ab_end_to_end(tmp_path):
     assert (out / "report.html").read_text().count("data:image/png;base64") == 4
     # neither the experiment nor its runs are overwritten silently
     with pytest.raises(RunDirError, match="--resume"):
-        ab(load_config("deepseek4-smoke", AB), out)
+        ab(load_config("deepseek4-smoke", overrides), out)
     # a finished experiment resumes to the same table without training again
-    again = ab(load_config("deepseek4-smoke", AB), out, resume=True)
+    again = ab(load_config("deepseek4-smoke", overrides), out, resume=True)
     assert json.loads(json.dumps(again)) == saved
+    # without -v, ab ends with its result: table.json's numbers, no per-layer table; an evenly
+    # spread hash table is not reported at all
+    assert cli.main([*command, "--resume"]) == 0
+    printed = capsys.readouterr()
+    assert "hash table" not in verbose.err + printed.err
+    assert "Expert load per layer" not in printed.out and "Probe set" not in printed.out
+    total = saved["total"]
+    loss_change = 100 * (total["loss_b"] - total["loss_a"]) / total["loss_a"]
+    # what follows the Result rule, its lines joined (rich wraps at 80 columns)
+    result = " ".join(printed.out.split(" Result ")[1].split("\n", 1)[1].split())
+    assert result.startswith(
+        f"Improvement (A vs B): {100 * total['improvement']:.2f}% of the summed top-K variance "
+        f"of the probe batch ({total['var_a']:.2f} -> {total['var_b']:.2f}); ")
+    assert (f"MaxVio (mean over the top-K layers): Run A {total['maxvio_a']:.3f}, Run B "
+            f"{total['maxvio_b']:.3f}. Run B's summed variance: "
+            f"{total['var_b'] / total['floor']:.2f}x the sampling floor, "
+            f"{total['var_b'] / total['var_refit_b']:.2f}x Run B with refitted biases. "
+            f"Final loss: Run A {total['loss_a']:.4f}, Run B {total['loss_b']:.4f} "
+            f"(B vs A {loss_change:+.2f}%). report written to {out}/report.html; ") in result
+    assert printed.out.rstrip().endswith(f"{out}/table.md (-v prints them)")
 
 
 def test_report_command_compares_runs(tmp_path, capsys):
@@ -90,3 +114,4 @@ def test_rate_checks():
         load_config("deepseek4-smoke", {"routed_bias_update_rate_final_fraction": 1.5})
     with pytest.raises(ConfigError, match="probe_refit_batches.*>= 0"):
         load_config("deepseek4-smoke", {"probe_refit_batches": -1})
+

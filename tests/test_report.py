@@ -1,3 +1,4 @@
+import html
 import io
 import json
 import re
@@ -30,7 +31,7 @@ def write_run(path, step0, final, routing, *, tokens, k, steps=20, final_loss=9.
     ranks > 1: trained with expert parallelism (per-rank loads in the metrics)."""
     step0, final = np.asarray(step0), np.asarray(final)
     path.mkdir(parents=True)
-    config = {"num_experts": step0.shape[1], "num_experts_per_tok": k,
+    config = {"model_name": "fake", "num_experts": step0.shape[1], "num_experts_per_tok": k,
               "first_num_hash_layers": routing.count("hash"),
               "base_num_decoder_layers": len(routing), "steps": steps,
               "gradient_accumulation_steps": 1, "per_device_batch_size": 1,
@@ -138,6 +139,33 @@ def test_ab_report_files_and_schema(tmp_path):
     assert "Top-K Routed" in console.file.getvalue()  # the printed table
 
 
+def test_report_page_opens_with_the_headline(tmp_path):
+    """report.html: a short title; the A/B's result (improvement, MaxVio, Run B against the floor
+    and the refit, the losses: table.json's numbers, hand-computed here) before any table; each
+    figure says what it shows, the heatmaps on which batch."""
+    a, b = ab_runs(tmp_path)
+    probe = json.loads((b / "probe_counts.json").read_text())
+    probe["refit"] = {"20": [HASH, [3, 1, 2, 2], [3, 1, 2, 2]]}  # top-K variances 0.5 + 0.5
+    (b / "probe_counts.json").write_text(json.dumps(probe))
+    report.ab_report(a, b, tmp_path / "out")
+    total = json.loads((tmp_path / "out" / "table.json").read_text())["total"]
+    assert (total["improvement"], total["var_b"], total["floor"], total["var_refit_b"]) == (
+        pytest.approx(11.5 / 14), 2.5, 2.0, 1.0)
+    page = html.unescape((tmp_path / "out" / "report.html").read_text())
+    assert re.findall("<title>(.*?)</title>", page) == [
+        "A/B load balancing: fake, 20 steps (no_balance vs balance)"]
+    assert re.findall('<p class="headline">(.*?)</p>', page) == [
+        "Improvement (A vs B): 82.14% of the summed top-K variance of the probe batch "
+        "(14.00 -> 2.50).",
+        "MaxVio (mean over the top-K layers): Run A 2.000, Run B 0.750.",
+        "Run B's summed variance: 1.25x the sampling floor, 2.50x Run B with refitted biases.",
+        "Final loss: Run A 9.0000, Run B 9.0900 (B vs A +1.00%)."]
+    assert page.rindex('<p class="headline">') < page.index("<table")
+    heatmaps = ("Heatmaps: the probe batch (micro-batch 0 of the held-out split's first batch, "
+                "4 tokens) routed by each run after its last step")
+    assert page.index("</table>") < page.index(heatmaps) < page.index('alt="heatmaps.png"')
+
+
 def test_expert_parallel_runs_show_the_busiest_rank(tmp_path):
     """Runs trained with 2 expert-parallel ranks: experts (0, 1) and (2, 3). Layer 2 of Run A,
     [8, 0, 0, 0], has every assignment on rank 0: max / mean = 8 / 4 = 2."""
@@ -236,6 +264,10 @@ def test_compare_report_three_runs(tmp_path):
         "MaxVio proportional", "Var aux_loss", "MaxVio aux_loss", "Floor"]
     for name in (*report.PLOTS, "report.html"):
         assert (out / name).is_file()
+    assert report.headline(table) == []  # no run is the baseline
+    page = (out / "report.html").read_text()
+    assert "<title>Load balancing: sign vs proportional vs aux_loss</title>" in page
+    assert 'class="headline"' not in page
 
 
 def test_calibrated_runs_show_the_online_bias_variance(tmp_path):
@@ -348,6 +380,7 @@ def test_ab_report_shows_the_probe_set_beside_the_seed_table(tmp_path):
     markdown = (tmp_path / "out" / "table.md").read_text()
     assert "| Run B | 8.25 | 5.75 | 2.50 | 14.00 | 4.12 |" in markdown
     assert "Improvement (A vs B) of the means: 41.07%" in markdown  # (14 - 8.25) / 14
+    assert report.headline(table)[0].endswith("; 41.07% over the 2 micro-batches of the probe set.")
     assert "Run B | 8.25" in (tmp_path / "out" / "report.html").read_text().replace(
         "</td><td>", " | ").replace("<td>", "")
     probe = json.loads((runs["b"] / "probe_counts.json").read_text())

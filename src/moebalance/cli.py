@@ -159,8 +159,10 @@ def _ab(args) -> int:
     from moebalance.experiment import ab
 
     ab(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-       resume=args.resume, console=Console(), progress=not args.quiet)
-    print(f"report written to {args.out}/report.html")
+       resume=args.resume, console=Console(), progress=not args.quiet, verbose=args.verbose)
+    tables = "" if args.verbose else " (-v prints them)"
+    print(f"report written to {args.out}/report.html; the per-layer tables: "
+          f"{args.out}/table.md{tables}")
     return 0
 
 
@@ -297,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=_train)
     ab = sub.add_parser("ab", parents=[common],
                         help="the A/B experiment: no balancing vs the config's balancing, "
-                        "with the seed's table, plots and an HTML report")
+                        "with the seed's table, plots and an HTML report; prints the result "
+                        "(-v: also the per-layer tables)")
     ab.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
     ab.add_argument("overrides", nargs="*", help="key=value overrides (apply to both runs)")
     ab.add_argument("--out", required=True, help="the experiment directory")

@@ -30,13 +30,15 @@ def without_balancing(cfg: Config) -> Config:
 
 
 def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
-       console=None, progress: bool = True) -> dict:
+       console=None, progress: bool = True, verbose: bool = False) -> dict:
     """Train Run A and Run B into out/run_a and out/run_b, then write the report into out.
 
     resume: continue whatever is unfinished (a run with no checkpoint starts over); overwrite:
-    replace an earlier experiment in `out`. console: a rich Console to show the runs (with a
-    progress bar unless `progress` is off) and the table on; None prints nothing. Returns the
-    table (table.json's content)."""
+    replace an earlier experiment in `out`. console: a rich Console to show the runs on (with a
+    progress bar unless `progress` is off), ending with the result (report.headline); None prints
+    nothing. verbose: also print each run's per-block table after its last step and the
+    report's per-layer tables (table.md holds them either way). Returns the table (table.json's
+    content)."""
     out = Path(out)
     earlier = [f for f in ("run_a", "run_b", *report.REPORT_FILES) if (out / f).exists()]
     if earlier and not (overwrite or resume):
@@ -44,7 +46,7 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
                           "--resume to finish it, --overwrite to replace it, or choose another --out")
     for name, run_cfg in (("A (no balancing)", without_balancing(cfg)), ("B (balancing)", cfg)):
         run = RunDir(out / f"run_{name[0].lower()}")
-        hooks = terminal(console, bar=progress) if console is not None else []
+        hooks = terminal(console, bar=progress, per_block=verbose) if console is not None else []
         if console is not None:
             console.rule(f"Run {name}: {run.path}")
         if resume and run.has_checkpoint():
@@ -55,5 +57,10 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
             train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
         else:
             train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
-    return report.ab_report(out / "run_a", out / "run_b", out, console,
-                            overwrite=overwrite or resume)
+    table = report.ab_report(out / "run_a", out / "run_b", out, console if verbose else None,
+                             overwrite=overwrite or resume)
+    if console is not None:
+        console.rule("Result")
+        for line in report.headline(table):
+            console.print(line)
+    return table

@@ -11,9 +11,11 @@ earlier report.
 
 Modules (each docstring says more):
     runs.py      a finished run directory, read and checked (Run, load_run)
-    tables.py    the A/B and comparison tables: their numbers, cells, Markdown and terminal print
-    plots.py     the four figures (matplotlib is imported only when a report draws them)
-    page.py      report.html
+    tables.py    the A/B and comparison tables: their numbers, cells, Markdown and terminal print;
+                 the A/B's headline (its result in four sentences)
+    plots.py     the four figures and their captions (matplotlib is imported only when a report
+                 draws them)
+    page.py      report.html: the headline, the tables, the figures, the configs
 
 `ab_report` and `compare_report` are the entry points; the names below are the package's interface.
 """
@@ -27,12 +29,12 @@ import numpy as np
 
 from moebalance.report.page import write_html
 from moebalance.report.runs import Run, load_run
-from moebalance.report.tables import (column_groups, compare_table, format_markdown, layer_table,
-                                      print_table, set_table, table_cells)
+from moebalance.report.tables import (column_groups, compare_table, format_markdown, headline,
+                                      layer_table, print_table, set_table, table_cells)
 
 __all__ = ["PLOTS", "REPORT_FILES", "Run", "ab_report", "column_groups", "compare_report",
-           "compare_table", "format_markdown", "layer_table", "load_run", "print_table",
-           "set_table", "table_cells", "write_html"]
+           "compare_table", "format_markdown", "headline", "layer_table", "load_run",
+           "print_table", "set_table", "table_cells", "write_html"]
 
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
 REPORT_FILES = ("table.md", "table.json", *PLOTS, "report.html")
@@ -60,7 +62,8 @@ def _write_outputs(out: Path, table: dict, runs: list[tuple[str, Run]], title: s
     (out / "table.json").write_text(json.dumps(table, indent=2) + "\n")
     pngs = [plot(runs, out / name) for plot, name in zip(
         (plots.plot_variance, plots.plot_heatmaps, plots.plot_maxvio, plots.plot_loss), PLOTS)]
-    write_html(out, table, pngs, {name: run.config for name, run in runs}, title)
+    write_html(out, table, list(zip(pngs, plots.captions(runs))),
+               {name: run.config for name, run in runs}, title)
     if console is not None:
         print_table(table, console)
         console.print(f"The whole table in one piece: {out / 'table.md'}")
@@ -96,7 +99,8 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
                                   "refit_b": b.probe_set.get("refit")}, a.routing, a.tokens,
                                  a.config["num_experts_per_tok"])
     runs = [(f"A: {a.name}", a), (f"B: {b.name}", b)]
-    _write_outputs(out, table, runs, f"A/B load balancing: {a.name} vs {b.name}", console)
+    _write_outputs(out, table, runs, f"A/B load balancing: {a.config['model_name']}, "
+                   f"{a.final_step} steps ({a.name} vs {b.name})", console)
     return table
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from moebalance.report.tables import set_cells, table_cells
+from moebalance.report.tables import headline, set_cells, table_cells
 
 
 def _config_differences(configs: dict[str, dict]) -> list[tuple[str, list]]:
@@ -22,6 +22,7 @@ _CSS = ("body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}"
         "table{border-collapse:collapse;margin:1em 0}"
         "th,td{border:1px solid #ccc;padding:2px 8px;text-align:right}"
         "th{background:#f0f0f0}.results tbody tr:last-child{font-weight:bold}"
+        ".headline{font-size:1.15em;margin:0.3em 0}"
         "img{max-width:100%;display:block;margin:1em 0}"
         "pre{background:#f6f6f6;padding:1em;overflow:auto}")
 
@@ -34,28 +35,32 @@ def _html_table(headers: list[str], rows: list[list[str]], css_class: str) -> st
             f"<tbody>{body}</tbody></table>")
 
 
-def write_html(out_dir, table: dict, pngs, configs: dict[str, dict],
+def write_html(out_dir, table: dict, figures, configs: dict[str, dict],
                title: str = "moebalance load-balancing report") -> Path:
-    """One self-contained report.html: the table, the PNGs embedded as base64, each run's config.
+    """One self-contained report.html: an A/B's headline (report.headline), the table, the
+    figures ((PNG Path, caption) pairs) embedded as base64, each run's config.
 
     configs maps a run label to its config dict; settings that differ between runs are listed
     first.
     """
     headers, rows, notes = table_cells(table)
-    parts = [f"<h1>{html.escape(title)}</h1>", _html_table(headers, rows, "results"),
+    parts = [f"<h1>{html.escape(title)}</h1>",
+             *(f'<p class="headline">{html.escape(line)}</p>' for line in headline(table)),
+             _html_table(headers, rows, "results"),
              *(f"<p>{html.escape(note)}</p>" for note in notes)]
     if set_cells(table) is not None:
-        headers, rows, title = set_cells(table)
-        parts += [f"<p>{html.escape(title)}</p>", _html_table(headers, rows, "set")]
+        headers, rows, set_title = set_cells(table)
+        parts += [f"<p>{html.escape(set_title)}</p>", _html_table(headers, rows, "set")]
     differences = _config_differences(configs)
     if len(configs) > 1 and differences:
         parts += ["<h2>Settings that differ</h2>",
                   _html_table(["key", *configs], [[key, *map(json.dumps, v)]
                                                   for key, v in differences], "settings")]
     parts.append("<h2>Figures</h2>")
-    for png in map(Path, pngs):
+    for png, caption in figures:
         data = base64.b64encode(png.read_bytes()).decode("ascii")
-        parts.append(f'<img alt="{html.escape(png.name)}" src="data:image/png;base64,{data}">')
+        parts += [f"<p>{html.escape(caption)}</p>",
+                  f'<img alt="{html.escape(png.name)}" src="data:image/png;base64,{data}">']
     parts.append("<h2>Configurations</h2>")
     for label, config in configs.items():
         parts += [f"<h3>{html.escape(label)}</h3>",

@@ -20,6 +20,19 @@ from moebalance.report.tables import layer_var
 HEATMAP_MAX = 2.0  # heatmap colour scale: load / mean in [0, 2]; busier experts saturate
 
 
+def captions(runs: list[tuple[str, Run]]) -> list[str]:
+    """What each figure shows, in the order variance, heatmaps, MaxVio, loss."""
+    probe = (f"the probe batch (micro-batch 0 of the held-out split's first batch, "
+             f"{runs[0][1].tokens} tokens)")
+    return [f"Per-layer variance of the expert counts of {probe}, log scale: at step 0 and after "
+            "each run's last step, the sampling floor dashed, hash-routed layers shaded.",
+            f"Heatmaps: {probe} routed by each run after its last step, with the biases it ended "
+            "with (calibrated ones, for a run that calibrated them); per layer (row) each "
+            "expert's (column) assignments over the layer's mean.",
+            "MaxVio of each step's training batch, the mean over the top-K layers.",
+            "Training loss of each step's batch."]
+
+
 def _colour(i: int) -> str:
     return f"C{i % 10}"
 

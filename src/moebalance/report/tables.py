@@ -160,6 +160,36 @@ def set_cells(table: dict) -> tuple[list[str], list[list[str]], str] | None:
             title += f" Run B / Run B with {name}: {var['b']['mean'] / var[key]['mean']:.2f}."
     return headers, rows, title
 
+def _loss_note(total: dict) -> str:
+    loss_a, loss_b = total["loss_a"], total["loss_b"]
+    return (f"Final loss: Run A {loss_a:.4f}, Run B {loss_b:.4f} "
+            f"(B vs A {100 * (loss_b - loss_a) / loss_a:+.2f}%).")
+
+
+def headline(table: dict) -> list[str]:
+    """The A/B's result in a few sentences from its table: the improvement of the summed top-K
+    variance of the probe (and of the probe set's mean, when measured), the mean top-K MaxVio of
+    A and B, Run B's summed variance over the sampling floor and over Run B's with refitted
+    biases (when measured), the final losses. Empty for a comparison: no run is the baseline."""
+    if "runs" in table:
+        return []
+    total = table["total"]
+    improvement = (f"Improvement (A vs B): {100 * total['improvement']:.2f}% of the summed top-K "
+                   f"variance of the probe batch ({total['var_a']:.2f} -> {total['var_b']:.2f})")
+    var = table.get("set", {}).get("var", {})
+    if "a" in var and "b" in var:
+        improvement += (f"; {100 * _improvement(var['a']['mean'], var['b']['mean']):.2f}% over "
+                        f"the {table['set']['batches']} micro-batches of the probe set")
+    ratios = [f"{total['var_b'] / total[key]:.2f}x {name}" for key, name in (
+        ("floor", "the sampling floor"), ("var_refit_b", "Run B with refitted biases"))
+        if total.get(key)]
+    return [improvement + ".",
+            f"MaxVio (mean over the top-K layers): Run A {total['maxvio_a']:.3f}, "
+            f"Run B {total['maxvio_b']:.3f}.",
+            *([f"Run B's summed variance: {', '.join(ratios)}."] if ratios else []),
+            _loss_note(total)]
+
+
 def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     total, n = table["total"], table["total"]["steps"]
     ranks, refit = "rank_imbalance_a" in total, "var_refit_b" in total
@@ -181,9 +211,7 @@ def _ab_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
 
     rows = [cells(str(r["layer"]), ROUTING_LABELS[r["routing"]], r) for r in table["rows"]]
     rows.append(cells("TOTAL/AVG", "Top-K only", total))
-    loss_a, loss_b = total["loss_a"], total["loss_b"]
-    notes = [f"Final loss: Run A {loss_a:.4f}, Run B {loss_b:.4f} "
-             f"(B vs A {100 * (loss_b - loss_a) / loss_a:+.2f}%).",
+    notes = [_loss_note(total),
              f"TOTAL improvement is the ratio of the summed top-K variances; the mean of the "
              f"per-layer improvements is {100 * total['mean_improvement']:.2f}%.",
              f"{n} steps of {total['tokens_per_step']} tokens. Floor: expected variance of "

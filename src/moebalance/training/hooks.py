@@ -5,7 +5,7 @@
     StepLogFile    metrics.jsonl + expert_counts.i32 of the run directory
     TensorBoard    TensorBoard scalars: the step's metrics and per layer MaxVio, variance, CV...
     ProgressBar    a rich progress bar: step, loss, tokens/s, mean MaxVio of the top-k blocks
-    Printer        notes as they come, and the per-block table after the last step
+    Printer        notes as they come, and (optionally) the per-block table after the last step
     terminal(...)  what the command line shows: [ProgressBar,] Printer on one console
 
 Used as a library, `training.loop.train` writes its run directory and prints nothing; the command
@@ -151,15 +151,19 @@ class ProgressBar(Hook):
 
 
 class Printer(Hook):
-    """Notes as they come; after the last step, a table of its per-block balance."""
+    """Notes as they come; after the last step, a table of its per-block balance (unless
+    `per_block` is off)."""
 
-    def __init__(self, console):
+    def __init__(self, console, *, per_block: bool = True):
         self.console = console
+        self.per_block = per_block
 
     def note(self, text):
         self.console.print(text)
 
     def end(self, record):
+        if not self.per_block:
+            return
         from rich.table import Table
 
         table = Table(title=f"after step {record['step']}: loss {record['loss']:.4f}")
@@ -173,10 +177,11 @@ class Printer(Hook):
         self.console.print(table)
 
 
-def terminal(console=None, *, bar: bool = True) -> list[Hook]:
+def terminal(console=None, *, bar: bool = True, per_block: bool = True) -> list[Hook]:
     """What the command line shows of a run: the progress bar (unless `bar` is off, e.g. --quiet)
-    and the printer, on `console` (default: a new rich Console on stdout)."""
+    and the printer (with its per-block table unless `per_block` is off), on `console` (default:
+    a new rich Console on stdout)."""
     from rich.console import Console
 
     console = console or Console()
-    return [*([ProgressBar(console)] if bar else []), Printer(console)]
+    return [*([ProgressBar(console)] if bar else []), Printer(console, per_block=per_block)]
