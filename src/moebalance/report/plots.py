@@ -25,7 +25,8 @@ def captions(runs: list[tuple[str, Run]]) -> list[str]:
     probe = (f"the probe batch (micro-batch 0 of the held-out split's first batch, "
              f"{runs[0][1].tokens} tokens)")
     return [f"Per-layer variance of the expert counts of {probe}, log scale: at step 0 and after "
-            "each run's last step, the sampling floor dashed, hash-routed layers shaded.",
+            "each run's last step (also with the online and with refitted biases, where "
+            "measured), the sampling floor dashed, hash-routed layers shaded.",
             f"Heatmaps: {probe} routed by each run after its last step, with the biases it ended "
             "with (calibrated ones, for a run that calibrated them); per layer (row) each "
             "expert's (column) assignments over the layer's mean.",
