@@ -5,8 +5,8 @@
 #      and the Flash slice's (16 top-6, 4096 x 2048), 16,384 bf16 tokens, with each kernel below,
 #   1. the training step of benchmarks/configs/deepseek4-d1024.yml (1.1B parameters, 0.25B
 #      active, V = 129280, bf16, 8 x 2048 tokens, blocked experts) with each expert-matmul
-#      kernel in turn: `xla` (each block's weights picked, then batched matmuls; the default) and
-#      `pallas` (the grouped-matmul kernels of model/grouped_matmul.py, Triton),
+#      kernel in turn: `xla` (each block's weights picked, then batched matmuls; `auto` on GPUs) and
+#      `pallas` (the grouped-matmul kernels of kernels/triton.py, Triton),
 #   2. the step of benchmarks/configs/deepseek4-flash-slice.yml (V4-Flash's layer width, nine
 #      layers, the 16 experts one device holds under expert parallelism, 1 x 4096 tokens, full
 #      remat; 128.2 GiB planned) with the kernel that was faster in 1,

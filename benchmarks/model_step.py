@@ -20,9 +20,10 @@ datasheet peak for the dtype (`PEAK_FLOPS`; null where the table has none, e.g. 
 `of_dense_gemm` by a dense square GEMM of the step's dtype timed in the same run (8192^3 on an
 accelerator, 1024^3 on a CPU): what this machine's matmul unit really delivers.
 
-`--kernels xla,pallas` runs each expert-matmul kernel (`moe_kernel`) in turn in this process (the
-device peak is the process's so far: run the larger first). `--record PATH` appends each run to a
-JSON record (created if missing; see `append_record`), the form of benchmarks/results/h200.json.
+`--kernels xla,pallas` (`xla,megablox` on a TPU) runs each expert-matmul kernel (`moe_kernel`) in
+turn in this process (the device peak is the process's so far: run the larger first).
+`--record PATH` appends each run to a JSON record (created if missing; see `append_record`), the
+form of benchmarks/results/h200.json.
 
     python benchmarks/model_step.py [--config deepseek4-tiny] [--batch 4] [--seq 256]
                                     [--steps 5] [--dtypes float32,bfloat16]
@@ -45,9 +46,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from moebalance import kernels
 from moebalance.atomic import write_atomic
 from moebalance.config import load_config
 from moebalance.data import batches
+from moebalance.model.moe import resolve_dispatch
 from moebalance.model.transformer import DeepSeekV4, parameter_counts, placeholder_hash_tables
 from moebalance.runtime import reexec_with_hugepage_malloc
 from moebalance.training import sharding
@@ -141,16 +144,15 @@ def model_flops(cfg, segment_ids: np.ndarray) -> dict[str, float]:
 
 
 def expert_layout(cfg) -> str:
-    """The expert layout the step runs (model/moe.py: `auto` is ragged on a TPU, else blocked) and,
-    for blocks, the kernel of their matmuls."""
+    """The expert layout the step runs (model/moe.py: `auto` is ragged on a TPU, else blocked) and
+    the kernel of its matmuls (kernels.resolve: what `auto` runs on this backend)."""
+    kernel = f"{kernels.resolve(cfg.moe_kernel)} matmuls"
     if cfg.capacity_factor > 0:
-        return f"capacity (factor {cfg.capacity_factor})"
-    layout = cfg.moe_dispatch
-    if layout == "auto":
-        layout = "ragged" if jax.default_backend() == "tpu" else "blocked"
-    if layout == "ragged":
-        return layout
-    return f"blocked, {cfg.moe_block_size} rows per block, {cfg.moe_kernel} matmuls"
+        return f"capacity (factor {cfg.capacity_factor}), {kernel}"
+    if resolve_dispatch(cfg.moe_dispatch) == "ragged":  # megablox tiles its rows by the block size
+        tiles = f", {cfg.moe_block_size}-row tiles" if "megablox" in kernel else ""
+        return f"ragged, {kernel}{tiles}"
+    return f"blocked, {cfg.moe_block_size} rows per block, {kernel}"
 
 
 def record_run(result: dict, notes: str = "") -> dict:

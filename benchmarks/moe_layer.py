@@ -5,13 +5,19 @@ and a dense SwiGLU of width K*F on the same T tokens (the FLOPs the routed exper
 both jitted, forward + backward w.r.t. input and weights. Prints one JSON object per line and a
 summary line; `ratio` = MoE tokens/s / dense tokens/s (1.0 = routing and dispatch are free).
 `--dispatch blocked,ragged` times both expert layouts in one run (`auto` is what the model picks:
-`jax.lax.ragged_dot` on a TPU, blocked elsewhere), `--kernels xla,pallas` both kernels of the
-blocks' matmuls (`moe_kernel`; pallas is interpreted off a GPU: slow); `--shapes 64:6:1024:512`
-adds shapes.
+ragged rows on a TPU, blocked elsewhere), `--kernels xla,megablox,pallas` the experts' grouped
+matmuls (`moe_kernel`, kernels/ops.py; a Pallas kernel off its backend runs interpreted: slow;
+pallas takes blocked rows only), each at every `--block-sizes` value where the block matters (the
+blocked layout's rows per block; megablox's row tile on ragged rows); `--shapes 64:6:1024:512`
+adds shapes. The TPU run of issue 35 (megablox's row tiles against ragged_dot):
+
+    python benchmarks/moe_layer.py --tokens 16384 --dtype bfloat16 --dispatch ragged
+        --kernels xla,megablox --block-sizes 128,256,512
+        --shapes 64:6:1024:512,16:6:4096:2048 --only-shapes
 
     python benchmarks/moe_layer.py [--tokens 4096] [--repeats 5] [--block-sizes 128,256]
-                                   [--dispatch auto] [--kernels xla] [--dtype float32]
-                                   [--shapes E:K:D:F,...]
+                                   [--dispatch auto] [--kernels auto] [--dtype float32]
+                                   [--shapes E:K:D:F,...] [--only-shapes]
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moebalance.model.moe import MoE, MoEConfig, SwiGLU
+from moebalance import kernels
+from moebalance.model.moe import MoE, MoEConfig, SwiGLU, resolve_dispatch
 
 SHAPES = [  # (E, K, D, F)
     (16, 4, 64, 64),
@@ -58,8 +65,8 @@ def _fwd_bwd(module):
 def bench_shape(experts, k, dim, hidden, tokens, repeats, block_size, dispatch, dtype, kernel):
     x = jax.random.normal(jax.random.key(0), (tokens, dim), dtype)
     cfg = MoEConfig(emb_dim=dim, num_experts=experts, num_experts_per_tok=k, moe_mlp_dim=hidden,
-                    shared_experts=0, block_size=block_size, dispatch=dispatch, kernel=kernel,
-                    dtype=dtype)
+                    shared_experts=0, block_size=block_size or MoEConfig.block_size,
+                    dispatch=dispatch, kernel=kernel, dtype=dtype)
     moe_step, moe_state = _fwd_bwd(MoE(cfg, rngs=nnx.Rngs(0)))
     dense = SwiGLU(dim, k * hidden, limit=0.0, dtype=jnp.dtype(dtype), weight_dtype=jnp.float32,
                    rngs=nnx.Rngs(1))
@@ -69,15 +76,27 @@ def bench_shape(experts, k, dim, hidden, tokens, repeats, block_size, dispatch, 
     useful_flops = 3 * 2 * tokens * k * 3 * dim * hidden  # fwd+bwd, three matmuls per expert
     return {
         "experts": experts, "k": k, "d_model": dim, "d_ff": hidden, "tokens": tokens,
-        "dtype": dtype, "dispatch": dispatch,
-        "block_size": block_size if dispatch != "ragged" else None,
-        "kernel": kernel if dispatch != "ragged" else None,
+        "dtype": dtype, "dispatch": resolve_dispatch(dispatch), "kernel": kernels.resolve(kernel),
+        "block_size": block_size,
         "moe_tokens_per_s": round(tokens / t_moe, 1),
         "dense_tokens_per_s": round(tokens / t_dense, 1),
         "moe_gflops": round(useful_flops / t_moe / 1e9, 2),
         "dense_gflops": round(useful_flops / t_dense / 1e9, 2),
         "ratio": round(t_dense / t_moe, 3),
     }
+
+
+def configurations(dispatches, kernel_names, block_sizes):
+    """The (dispatch, kernel, block size) runs: every layout with every kernel that takes its rows
+    (pallas takes blocks only), at every block size where the block matters (blocks; megablox's
+    row tile on ragged rows), else once with the block None."""
+    for dispatch, kernel in itertools.product(dispatches, kernel_names):
+        ragged = resolve_dispatch(dispatch) == "ragged"
+        if ragged and kernels.resolve(kernel) == "pallas":
+            continue
+        tiled = not ragged or kernels.resolve(kernel) == "megablox"
+        for block in (block_sizes if tiled else [None]):
+            yield dispatch, kernel, block
 
 
 def main():
@@ -87,8 +106,8 @@ def main():
     parser.add_argument("--block-sizes", default="256", help="comma-separated block sizes")
     parser.add_argument("--dispatch", default="auto",
                         help="comma-separated expert layouts: auto | blocked | ragged")
-    parser.add_argument("--kernels", default="xla",
-                        help="comma-separated expert-matmul kernels of the blocks: xla | pallas")
+    parser.add_argument("--kernels", default="auto",
+                        help="comma-separated kernels (moe_kernel): auto | xla | megablox | pallas")
     parser.add_argument("--dtype", default="float32", help="activation and matmul dtype")
     parser.add_argument("--shapes", default="",
                         help="comma-separated E:K:D:F shapes to add to the default ones")
@@ -96,16 +115,14 @@ def main():
     args = parser.parse_args()
     extra = [tuple(int(n) for n in shape.split(":")) for shape in args.shapes.split(",") if shape]
     rows = []
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    runs = list(configurations(args.dispatch.split(","), args.kernels.split(","), block_sizes))
     for experts, k, dim, hidden in (extra if args.only_shapes else SHAPES + extra):
-        for dispatch in args.dispatch.split(","):
-            blocked = dispatch != "ragged"  # ragged_dot has no blocks
-            blocks = [int(b) for b in args.block_sizes.split(",")] if blocked else [1]
-            kernels = args.kernels.split(",") if blocked else ["xla"]
-            for block, kernel in itertools.product(blocks, kernels):
-                row = bench_shape(experts, k, dim, hidden, args.tokens, args.repeats, block,
-                                  dispatch, args.dtype, kernel)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for dispatch, kernel, block in runs:
+            row = bench_shape(experts, k, dim, hidden, args.tokens, args.repeats, block,
+                              dispatch, args.dtype, kernel)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(json.dumps({"summary": "moe_vs_dense_ratio", "backend": jax.default_backend(),
                       "min_ratio": min(r["ratio"] for r in rows),
                       "max_ratio": max(r["ratio"] for r in rows)}))

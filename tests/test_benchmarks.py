@@ -1,13 +1,16 @@
 """benchmarks/model_step.py's record: the model FLOPs it counts (attention by the entries really
-attended) against plain loops, the MFU arithmetic, and the record's schema."""
+attended) against plain loops, the MFU arithmetic, and the record's schema; moe_layer.py's runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -261,3 +264,39 @@ def test_vs_nemo_names_the_machine_its_ratio_was_measured_on():
     assert vs_nemo.cpu_flags(arm) == []
     described = vs_nemo.machine()
     assert described["cores"] >= 1 and set(described["threads"]) == set(vs_nemo.THREAD_VARIABLES)
+
+
+def test_expert_layout_names_the_kernel_auto_runs(model_step, cfg, monkeypatch):
+    ragged = dataclasses.replace(cfg, moe_dispatch="ragged", moe_kernel="megablox")
+    assert model_step.expert_layout(ragged) == "ragged, megablox matmuls, 256-row tiles"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # auto: ragged rows, megablox
+    assert model_step.expert_layout(cfg) == "ragged, megablox matmuls, 256-row tiles"
+    capacity = dataclasses.replace(cfg, capacity_factor=1.25, moe_kernel="xla")
+    assert model_step.expert_layout(capacity) == "capacity (factor 1.25), xla matmuls"
+
+
+@pytest.fixture(scope="module")
+def moe_layer():
+    return _benchmark("moe_layer")
+
+
+def test_moe_layer_times_each_kernel_on_the_rows_it_takes(moe_layer):
+    runs = list(moe_layer.configurations(["ragged", "blocked"], ["xla", "megablox", "pallas"],
+                                         [128, 256]))
+    assert runs == [  # ragged_dot has no tiles; Triton takes no ragged rows
+        ("ragged", "xla", None), ("ragged", "megablox", 128), ("ragged", "megablox", 256),
+        ("blocked", "xla", 128), ("blocked", "xla", 256), ("blocked", "megablox", 128),
+        ("blocked", "megablox", 256), ("blocked", "pallas", 128), ("blocked", "pallas", 256)]
+
+
+def test_moe_layer_times_megablox_interpreted_on_the_cpu(moe_layer, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [
+        "moe_layer.py", "--tokens", "32", "--repeats", "1", "--dispatch", "ragged",
+        "--kernels", "xla,megablox", "--block-sizes", "16", "--shapes", "4:2:16:16",
+        "--only-shapes"])
+    moe_layer.main()
+    *rows, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["dispatch"], r["kernel"], r["block_size"]) for r in rows] == [
+        ("ragged", "xla", None), ("ragged", "megablox", 16)]
+    assert all(r["ratio"] > 0 and r["tokens"] == 32 for r in rows)
+    assert summary["backend"] == "cpu"

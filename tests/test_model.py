@@ -273,6 +273,7 @@ def test_real_shapes_parameter_counts(name, total, active):
         (dict(num_experts_per_tok=9), "num_experts_per_tok"),
         (dict(hash_table="modulo"), "hash_table"),
         (dict(moe_kernel="triton"), "moe_kernel.*choose one of"),
+        (dict(moe_kernel="pallas", moe_dispatch="ragged"), "moe_kernel.*takes blocked rows"),
         (dict(head_dim="big"), "head_dim"),
         (dict(num_expert=8), "unknown config key `num_expert`; did you mean num_experts"),
     ],

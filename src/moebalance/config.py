@@ -17,7 +17,7 @@ import yaml
 
 PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
-EXPERT_KERNELS = ("xla", "pallas")  # the blocked layouts' expert matmuls (model/moe.py)
+EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (kernels/ops.py)
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
@@ -72,9 +72,11 @@ class Config:
     drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
     moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
     moe_block_size: int = _key(256, "rows per block of the blocked dispatch")
-    moe_kernel: str = _key("xla", "blocked / capacity experts' matmuls: xla (each block's weights "
-                           "picked, then batched matmuls) | pallas (grouped-matmul kernels with "
-                           "their backward pass; Triton on NVIDIA GPUs, interpret mode elsewhere)")
+    moe_kernel: str = _key("auto", "the experts' grouped matmuls: auto (by backend, kernels.AUTO: "
+                           "megablox on TPU, else xla) | xla (ragged_dot; on blocks, "
+                           "each block's weights picked, then batched matmuls) | megablox (JAX's "
+                           "Pallas kernels for TPU) | pallas (Triton kernels for NVIDIA GPUs, "
+                           "blocked layout only); Pallas kernels run interpreted off their backend")
     first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
     hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced")
     hash_table_seed: int = _key(0, "seed of the random hash table")
@@ -283,6 +285,9 @@ def _validate_moe(c: Config) -> None:
              f"unknown layout {c.moe_dispatch!r}; choose one of {DISPATCH_MODES}")
     _require(c.moe_kernel in EXPERT_KERNELS, "moe_kernel",
              f"unknown kernel {c.moe_kernel!r}; choose one of {EXPERT_KERNELS}")
+    _require(not (c.moe_kernel == "pallas" and c.moe_dispatch == "ragged"), "moe_kernel",
+             "pallas (Triton) takes blocked rows; set moe_dispatch=blocked or choose another "
+             "kernel")
     checks = (("num_experts_per_tok", routing.check_topk, (c.num_experts_per_tok, c.num_experts)),
               ("routed_score_func", routing.check_score_fn, (c.routed_score_func,)),
               ("n_routing_groups", routing.check_groups,

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-import moebalance.model.grouped_matmul as gm
+import moebalance.kernels.triton as gm
 from moebalance.model.moe import MoE, MoEConfig
 from moebalance.training.sharding import AXES
 
@@ -27,7 +27,7 @@ CASES = {
     "capacity_position": ((1, 2, 4), {"capacity_factor": 0.8, "drop_policy": "position"}, False),
     "device_limited": ((1, 1, 8), {"n_routing_groups": 8, "topk_routing_group": 2}, False),
     # the grouped matmul's custom VJP under shard_map, its kernels' maths in plain jnp (Pallas'
-    # interpret mode cannot run under shard_map; tests/test_grouped_matmul.py tests the kernels)
+    # interpret mode cannot run under shard_map; tests/test_kernels_triton.py tests the kernels)
     "pallas": ((2, 1, 4), {"kernel": "pallas"}, False),
 }
 BATCH, SEQ = 8, 24

@@ -28,9 +28,9 @@ from flax import nnx
 from moebalance import routing
 from moebalance.balancing import expert_counts
 from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Config
+from moebalance.kernels import grouped_matmul
 from moebalance.model.dispatch import gather_rows, plan_dispatch
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
-from moebalance.model.grouped_matmul import grouped_matmul
 from moebalance.model.layers import FP32, constant, dense_init
 from moebalance.routing import RoutingRecord
 
@@ -63,7 +63,7 @@ class MoEConfig:
     drop_policy: str = "probs"  # over capacity: drop lowest weight ('probs') or latest ('position')
     dispatch: str = "auto"  # blocked | ragged (jax.lax.ragged_dot) | auto: ragged on TPU only
     block_size: int = 256  # rows per block of the blocked dispatch
-    kernel: str = "xla"  # blocked / capacity expert matmuls: xla | pallas (model/grouped_matmul.py)
+    kernel: str = "auto"  # the experts' grouped matmuls: auto | xla | megablox | pallas (kernels/)
     ep_buffer_factor: float = 2.0  # expert parallelism: fast-path send slots (expert_parallel.py)
     dtype: str = "float32"  # activation / matmul dtype
     weight_dtype: str = "float32"  # parameter storage dtype
@@ -88,6 +88,8 @@ class MoEConfig:
             raise ValueError(f"unknown dispatch {self.dispatch!r}; choose {DISPATCH_MODES}")
         if self.kernel not in EXPERT_KERNELS:
             raise ValueError(f"unknown expert kernel {self.kernel!r}; choose {EXPERT_KERNELS}")
+        if self.kernel == "pallas" and self.dispatch == "ragged":
+            raise ValueError("kernel 'pallas' (Triton) takes blocked rows; use dispatch 'blocked'")
         for name in ("dtype", "weight_dtype"):
             jnp.dtype(getattr(self, name))  # raises TypeError naming an unknown dtype
 
@@ -116,6 +118,14 @@ class MoEConfig:
                                 / self.num_experts))
 
 
+def resolve_dispatch(dispatch: str) -> str:
+    """The dropless layout a `moe_dispatch` value runs on this backend: `auto` is ragged on a TPU,
+    else blocked (ragged_dot is 25x slower than blocks on an H200: docs/performance.md)."""
+    if dispatch == "auto":
+        return "ragged" if jax.default_backend() == "tpu" else "blocked"
+    return dispatch
+
+
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     """DeepSeek-V4 SwiGLU in float32: gate clipped above at `limit`, up to [-limit, limit]."""
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
@@ -128,7 +138,7 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 def _keep_block_matmuls(prim, *_, **params) -> bool:
     """Remat policy: of the intermediates, keep for the backward pass only the expert matmuls'
     outputs (matmuls with a batch (block) dimension, or the Pallas kernels); the per-block weights
-    (`_pick`, matmuls without one) and the SwiGLU's elementwise steps are recomputed."""
+    (the XLA path's one-hot picks: matmuls without one) and the SwiGLU's steps are recomputed."""
     if prim is jax.lax.dot_general_p:
         return bool(params["dimension_numbers"][1][0])
     return prim.name == "pallas_call"
@@ -138,31 +148,13 @@ def _keep_block_matmuls(prim, *_, **params) -> bool:
 def _blocked_mlp(blocks, row_weights, block_expert, w1, w3, w2, limit, kernel):
     """The blocked layout's experts: [nb, b, D] blocks of one expert each, [nb, b, 1] routing
     weights, [nb] expert per block -> [nb, b, D], with w1 / w3 [E', D, F], w2 [E', F, D]; each
-    matmul by `kernel` (`_block_matmul`)."""
-    gate = _block_matmul(blocks, w1, block_expert, kernel)
-    up = _block_matmul(blocks, w3, block_expert, kernel)
-    h = (swiglu(gate, up, limit) * row_weights).astype(blocks.dtype)  # [nb, b, F]
-    return _block_matmul(h, w2, block_expert, kernel)
-
-
-def _block_matmul(x, w, block_expert, kernel):
-    """y[n] = x[n] @ w[block_expert[n]]: [nb, b, K], [E', K, N] -> [nb, b, N].
-
-    kernel 'pallas': the grouped-matmul kernels of model/grouped_matmul.py, which read each
-    expert's weights in place. 'xla': each block's weights [nb, K, N] are picked by a one-hot
-    matmul (E' / b of the block matmul's FLOPs; faster than a gather on CPU, and its transpose,
-    the weight gradient, is a matmul rather than a scatter-add), then one batched matmul. The
-    picked weights are not kept for the backward pass but picked again there: kept, they cost
-    nb / E' times the expert weights per layer (Flash's largest block on 256 devices: 80 GiB of
+    matmul by `kernel` (kernels.grouped_matmul). The XLA path's per-block weights are picked
+    again in the backward pass rather than kept (Flash's largest block on 256 devices: 80 GiB of
     residuals with them, 15 without)."""
-    if kernel == "pallas":
-        return grouped_matmul(x, w, block_expert)
-    return jnp.einsum("nbk,nkf->nbf", x, _pick(block_expert, w))
-
-
-def _pick(block_expert, w):
-    """Each block's expert's weights: [nb], [E', ...] -> [nb, ...]."""
-    return jnp.einsum("ne,e...->n...", jax.nn.one_hot(block_expert, w.shape[0], dtype=w.dtype), w)
+    gate = grouped_matmul(blocks, w1, block_expert, kernel=kernel)
+    up = grouped_matmul(blocks, w3, block_expert, kernel=kernel)
+    h = (swiglu(gate, up, limit) * row_weights).astype(blocks.dtype)  # [nb, b, F]
+    return grouped_matmul(h, w2, block_expert, kernel=kernel)
 
 
 class SwiGLU(nnx.Module):
@@ -245,11 +237,7 @@ class MoE(nnx.Module):
 
     def _layout(self, num_tokens):
         c = self.config
-        if c.capacity(num_tokens):
-            return "capacity"
-        if c.dispatch == "auto":  # ragged_dot is 25x slower than blocks on an H200 (docs/performance.md)
-            return "ragged" if jax.default_backend() == "tpu" else "blocked"
-        return c.dispatch
+        return "capacity" if c.capacity(num_tokens) else resolve_dispatch(c.dispatch)
 
     def expert_mlp(self, rows, row_weights, plan, layout, w1, w3, w2):
         """Every buffer row through its expert: [P, D], [P, 1] -> [P, D] with w1 / w3 [E', D, F],
@@ -260,10 +248,10 @@ class MoE(nnx.Module):
         c = self.config
         w1, w3, w2 = (w.astype(self.dtype) for w in (w1, w3, w2))
         if layout == "ragged":
-            sizes = plan.counts
-            h = swiglu(jax.lax.ragged_dot(rows, w1, sizes), jax.lax.ragged_dot(rows, w3, sizes),
-                       c.swiglu_limit)
-            return jax.lax.ragged_dot((h * row_weights).astype(self.dtype), w2, sizes)
+            matmul = functools.partial(grouped_matmul, groups=plan.counts, kernel=c.kernel,
+                                       row_tile=c.block_size)
+            h = swiglu(matmul(rows, w1), matmul(rows, w3), c.swiglu_limit)  # [P, F]
+            return matmul((h * row_weights).astype(self.dtype), w2)
         blocks = rows.reshape(-1, plan.block, rows.shape[-1])  # [nb, b, D]
         out = _blocked_mlp(blocks, row_weights.reshape(*blocks.shape[:2], 1), plan.block_expert,
                            w1, w3, w2, c.swiglu_limit, c.kernel)

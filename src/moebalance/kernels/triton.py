@@ -1,4 +1,4 @@
-"""The experts' matmuls on the blocked layout as Pallas kernels (Triton on NVIDIA GPUs).
+"""`moe_kernel: pallas`: the grouped matmul on blocked rows as Pallas kernels (Triton on GPUs).
 
 The blocked layout (model/dispatch.py) holds the routed rows as [nb, b, K] blocks of one expert each,
 blocks sorted by expert (`block_expert` [nb], non-decreasing). An expert layer's forward and backward
@@ -9,8 +9,8 @@ passes are three grouped matmuls over it, with w [E, K, N]:
     weight grad  dw[e] = sum over blocks n of e: x[n]^T @ dy[n]  -> [E, K, N]
 
 Each kernel program reads its expert's weight tiles where they lie in w. The XLA path
-(`moe._blocked_mlp`) first copies every block's weights ([nb, K, N], nb / E times the weights,
-again in the backward pass) and gets the weight gradient through the transpose of that copy.
+(ops.py) first copies every block's weights ([nb, K, N], nb / E times the weights, again in the
+backward pass) and gets the weight gradient through the transpose of that copy.
 Tiles: `TILE_M` rows of a block, `TILE_K` of the contraction, `TILE_N` of the output, accumulated
 in float32. Off a GPU the kernels run in Pallas' interpret mode (exact, slow: for tests), which
 cannot run under shard_map, so expert parallelism with these kernels needs GPUs.

@@ -1,4 +1,4 @@
-"""The grouped-matmul kernels of the blocked expert layout (model/grouped_matmul.py), run here in
+"""The Triton grouped-matmul kernels of the blocked expert layout (kernels/triton.py), run here in
 Pallas' interpret mode, against loops over blocks in NumPy; and their lowering for GPUs (Triton)."""
 
 import re
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import moebalance.model.grouped_matmul as gm
+import moebalance.kernels.triton as gm
 from moebalance.model.moe import MoE, MoEConfig
 
 # (blocks, rows per block, K, N, experts, the sorted expert of each block): an expert without

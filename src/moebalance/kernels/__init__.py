@@ -1,0 +1,12 @@
+"""Kernels: one function per operation, each choosing its implementation by the backend and the
+config (`moe_kernel`), tested against the operation's plain XLA path.
+
+    ops.py        the face: grouped_matmul (the MoE layer's experts), KERNELS, AUTO, resolve;
+                  the plain XLA path of each operation
+    megablox.py   grouped matmul on ragged rows for TPUs (JAX's megablox gmm / tgmm)
+    triton.py     grouped matmul on blocked rows for NVIDIA GPUs (Pallas lowered to Triton)
+"""
+
+from moebalance.kernels.ops import AUTO, KERNELS, grouped_matmul, resolve
+
+__all__ = ["AUTO", "KERNELS", "grouped_matmul", "resolve"]

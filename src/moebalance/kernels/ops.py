@@ -1,0 +1,76 @@
+"""The kernels' face: one function per operation, choosing its implementation by the `moe_kernel`
+config key and the backend, beside the operation's plain XLA path (the reference of the tests).
+
+    grouped_matmul   y[i] = x[i] @ w[g(i)] over rows sorted by group: the MoE layer's experts
+
+Implementations (KERNELS; `auto` is AUTO[jax.default_backend()], the fastest measured there, and
+the XLA path inside shard_map):
+
+    xla       ragged rows: jax.lax.ragged_dot; blocked rows: each block's weights picked by a
+              one-hot matmul, then one batched matmul. Any backend.
+    megablox  JAX's Pallas grouped matmul for TPUs, gmm / tgmm (megablox.py).
+    pallas    Triton kernels for NVIDIA GPUs, blocked rows only (triton.py).
+
+Off its own backend a Pallas kernel runs in interpret mode: exact and slow, for the tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moebalance.kernels import megablox, triton
+
+KERNELS = ("xla", "megablox", "pallas")
+# What `auto` runs (docs/performance.md): CPU and GPU the XLA path (an H200 ran blocks at 0.42 of
+# a dense SwiGLU; the Triton kernels are untimed); TPU megablox, the candidate that awaits its
+# first timing against ragged_dot (0.175 and 0.51 of a dense SwiGLU on a v5e).
+AUTO = {"cpu": "xla", "gpu": "xla", "tpu": "megablox"}
+
+
+def resolve(kernel: str, x: jax.Array | None = None) -> str:
+    """The implementation a `moe_kernel` value runs on this backend (for operand x: inside
+    shard_map `auto` is the XLA path, since megablox cannot run there; megablox.py)."""
+    if kernel == "auto":
+        if x is not None and jax.typeof(x).manual_axis_type.varying:
+            return "xla"
+        return AUTO.get(jax.default_backend(), "xla")
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose auto or one of {KERNELS}")
+    return kernel
+
+
+def grouped_matmul(x, w, groups, *, kernel: str = "auto", row_tile: int = 256):
+    """y[i] = x[i] @ w[g(i)] with w [G, K, N], differentiable in x and w, in x's dtype.
+
+    ragged rows   x [M, K], groups [G] int32: the group sizes, group g the next groups[g] rows;
+                  rows past their sum give zeros (the ragged layout) -> [M, N]
+    blocked rows  x [nb, b, K], groups [nb] int32 non-decreasing: every row of block n is in
+                  group groups[n] (the blocked and capacity layouts) -> [nb, b, N]
+
+    kernel: a KERNELS entry or `auto`. row_tile: rows per megablox tile on ragged rows (on blocked
+    rows its tile is the block, which never straddles two groups).
+    """
+    kernel = resolve(kernel, x)
+    if x.ndim == 3:
+        nb, b, k = x.shape
+        if kernel == "pallas":
+            return triton.grouped_matmul(x, w, groups)
+        if kernel == "megablox":
+            sizes = jnp.zeros(w.shape[0], jnp.int32).at[groups].add(b)  # [G] rows per group
+            return megablox.grouped_matmul(x.reshape(nb * b, k), w, sizes, b).reshape(nb, b, -1)
+        return jnp.einsum("nbk,nkf->nbf", x, _pick(groups, w))
+    if kernel == "pallas":
+        raise ValueError("moe_kernel=pallas (Triton) takes blocked rows only: set "
+                         "moe_dispatch=blocked, or choose moe_kernel=xla | megablox")
+    if kernel == "megablox":
+        return megablox.grouped_matmul(x, w, groups, row_tile)
+    return jax.lax.ragged_dot(x, w, groups)
+
+
+def _pick(block_group, w):
+    """Each block's weights, [nb], [G, ...] -> [nb, ...], as a one-hot matmul: G / b of the block
+    matmul's FLOPs, faster than a gather on CPU, and its transpose (the weight gradient) is a
+    matmul rather than a scatter-add. The MoE layer recomputes it in the backward pass rather than
+    keep it: kept, it costs nb / G times the weights per layer."""
+    return jnp.einsum("ne,e...->n...", jax.nn.one_hot(block_group, w.shape[0], dtype=w.dtype), w)

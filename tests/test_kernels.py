@@ -1,0 +1,112 @@
+"""The kernels' face (kernels/ops.py): each implementation of the grouped matmul against the plain
+XLA path, forward and gradients, the Pallas kernels in interpret mode on the CPU; how `auto` and
+the config key choose. The Triton kernels' own tests: test_kernels_triton.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moebalance import kernels
+from moebalance.config import EXPERT_KERNELS
+from moebalance.kernels import megablox
+
+
+def _operands(rows_shape, k, n, groups, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(*rows_shape, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(groups, k, n)), dtype)
+    probe = jnp.asarray(rng.normal(size=(*rows_shape, n)), jnp.float32)
+    return x, w, probe
+
+
+def _value_and_grads(matmul, x, w, probe):
+    """(y, dx, dw) of loss = sum(matmul(x, w) * probe), jitted as one program."""
+    def loss(x, w):
+        y = matmul(x, w)
+        return (y.astype(jnp.float32) * probe).sum(), y
+
+    (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+    return (y, *grads)
+
+
+def _assert_close(got, want, tol):
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max())
+
+
+# (rows M, group sizes, row tile): an empty group, rows past the sum, M not a whole number of
+# row tiles (megablox pads); then every row in a group and M a whole number of tiles
+RAGGED = [(40, [10, 0, 20, 5], 16), (48, [0, 32, 16], 16)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows,sizes,row_tile", RAGGED)
+def test_megablox_on_ragged_rows_equals_ragged_dot(rows, sizes, row_tile, dtype, tol):
+    x, w, probe = _operands((rows,), 24, 40, len(sizes), dtype)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    got = _value_and_grads(
+        lambda x, w: kernels.grouped_matmul(x, w, sizes, kernel="megablox", row_tile=row_tile),
+        x, w, probe)
+    want = _value_and_grads(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w, probe)
+    _assert_close(got, want, tol)
+    past = int(sizes.sum())  # rows in no group: zeros, and so is their input gradient
+    assert not np.asarray(got[0][past:], np.float32).any()
+    assert not np.asarray(got[1][past:], np.float32).any()
+
+
+@pytest.mark.parametrize("kernel", ["xla", "megablox"])
+def test_blocked_rows_equal_gathered_weights(kernel):
+    """Blocks of 8 rows, group 1 without blocks; against autodiff of an einsum over each block's
+    weights gathered by indexing (neither a one-hot pick nor a kernel)."""
+    block_group = jnp.asarray([0, 0, 2, 2, 3], jnp.int32)
+    x, w, probe = _operands((5, 8), 24, 40, 4, jnp.float32)
+    got = _value_and_grads(lambda x, w: kernels.grouped_matmul(x, w, block_group, kernel=kernel),
+                           x, w, probe)
+    want = _value_and_grads(lambda x, w: jnp.einsum("nbk,nkf->nbf", x, w[block_group]),
+                            x, w, probe)
+    _assert_close(got, want, 1e-5)
+    assert not np.asarray(got[2][1]).any()  # no rows, no gradient
+
+
+def test_auto_picks_by_backend(monkeypatch):
+    assert kernels.resolve("auto") == "xla"  # the CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert kernels.resolve("auto") == "megablox"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kernels.resolve("auto") == "xla"
+    for kernel in kernels.KERNELS:
+        assert kernels.resolve(kernel) == kernel
+    with pytest.raises(ValueError, match="unknown kernel 'triton'"):
+        kernels.resolve("triton")
+
+
+def test_config_key_names_every_kernel():
+    assert EXPERT_KERNELS == ("auto", *kernels.KERNELS)
+
+
+def test_auto_inside_shard_map_is_xla_and_megablox_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("expert",))
+    spec = jax.sharding.PartitionSpec("expert")
+    sizes = jnp.asarray([3, 5], jnp.int32)
+    x, w, _ = _operands((8,), 16, 16, 2, jnp.float32)
+
+    def run(fn):
+        return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    chosen = []
+    run(lambda x: chosen.append(kernels.resolve("auto", x)) or x)
+    assert chosen == ["xla"]
+    np.testing.assert_allclose(run(lambda x: kernels.grouped_matmul(x, w, sizes)),
+                               jax.lax.ragged_dot(x, w, sizes), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="inside shard_map.*moe_kernel=xla"):
+        run(lambda x: megablox.grouped_matmul(x, w, sizes, 8))
+
+
+def test_triton_kernels_refuse_ragged_rows_with_the_fix():
+    x, w, _ = _operands((8,), 16, 16, 2, jnp.float32)
+    with pytest.raises(ValueError, match="blocked rows only.*moe_dispatch=blocked"):
+        kernels.grouped_matmul(x, w, jnp.asarray([3, 5], jnp.int32), kernel="pallas")
