@@ -1,5 +1,5 @@
-"""The corpus (files, the default stdlib corpus) and the train/held-out split by document hash:
-moebalance.data.corpus."""
+"""The corpus (files; the embedded default corpus is tests/test_default_corpus.py's) and the
+train/held-out split by document hash: moebalance.data.corpus."""
 
 import random
 from pathlib import Path
@@ -8,21 +8,12 @@ import pytest
 
 from data_fixtures import corpus, needs_permissions, text_config  # noqa: F401 (corpus)
 from moebalance import data
-from moebalance.config import load_config
 
 
 def test_corpus_files_sorted_and_skips_empty_and_non_utf8(tmp_path, corpus):
     root, docs = corpus
     files = data.corpus_files(text_config(tmp_path, root))
     assert files == sorted(root / name for name in docs)
-
-
-def test_default_corpus_is_the_stdlib_without_site_packages():
-    cfg = load_config("deepseek4-smoke", {"dataset_type": "text", "vocab_size": 8192})
-    files = data.corpus_files(cfg)
-    assert len(files) > 500 and files == sorted(files)
-    assert not any({"site-packages", "dist-packages"} & set(f.parts) for f in files)
-    assert all(f.suffix == ".py" for f in files)
 
 
 def test_split_is_deterministic_order_independent_and_covers_each_document_once(tmp_path, corpus):

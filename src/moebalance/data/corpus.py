@@ -1,8 +1,9 @@
 """The corpus and its train/held-out split (stages 1 and 2 of the pipeline):
 
     1. corpus      every non-empty file matching `dataset_glob` under `dataset_path` (default: the
-                   running interpreter's standard library sources): a UTF-8 text file is one
-                   document; a JSON Lines or Parquet file holds one document per record, in its
+                   embedded default corpus, CPython 3.11.7's standard-library sources, fixed:
+                   moebalance.data.default_corpus): a UTF-8 text file is one document; a JSON
+                   Lines or Parquet file holds one document per record, in its
                    `dataset_text_field` (moebalance.data.records: formats and the bad-record rule)
     2. split       each document goes to the training or the held-out split by a stable hash of
                    its name (a file's path, or path#row for a record) and the seed, so the split
@@ -16,17 +17,15 @@ import functools
 import hashlib
 import logging
 import os
-import sysconfig
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from moebalance.config import Config
+from moebalance.data import default_corpus
 from moebalance.data.errors import DataError, unreadable
 from moebalance.data.records import is_record_file, read_records
 
 log = logging.getLogger(__name__)
-
-EXCLUDED_DIRS = ("site-packages", "dist-packages")  # third-party code inside the stdlib tree
 
 
 # ---------------------------------------------------------------------------------------------
@@ -37,17 +36,33 @@ EXCLUDED_DIRS = ("site-packages", "dist-packages")  # third-party code inside th
 class Document:
     """One corpus file: a text file (one document) or a record file (one per record). `name` is
     its path relative to its `dataset_path` entry ('/'-separated; the file name for a file given
-    directly): the identity used by the split and the cache keys."""
+    directly): the identity used by the split and the cache keys. A member of the embedded
+    default corpus holds its bytes in `content`; its `path` (the archive's, then its name) names
+    it and orders it, but is no file."""
 
     name: str
     path: Path
+    content: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def records(self) -> bool:
         return is_record_file(self.path)
 
+    @property
+    def size(self) -> int:
+        return len(self.content) if self.content is not None else self.path.stat().st_size
+
     def text(self) -> str:
-        return self.path.read_bytes().decode("utf-8")
+        return (self.content if self.content is not None else self.path.read_bytes()
+                ).decode("utf-8")
+
+    def version(self) -> tuple:
+        """What the caches key these bytes by: a file's (size, mtime_ns); a default-corpus
+        member's (size, the corpus's SHA-256), which the snapshot was checked against."""
+        if self.content is not None:
+            return len(self.content), default_corpus.SHA256
+        stat = self.path.stat()
+        return stat.st_size, stat.st_mtime_ns
 
 
 def _read_utf8(path: Path) -> str | None:
@@ -60,17 +75,8 @@ def _read_utf8(path: Path) -> str | None:
 
 
 def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
-    """(name, path) of every file matching the config, valid or not, in no particular order."""
-    if not cfg.dataset_path:  # walked without descending into third-party code: rglob would list
-        root = sysconfig.get_paths()["stdlib"]  # (and filter) 10k+ files of site-packages
-        for folder, subdirs, files in os.walk(root):
-            subdirs[:] = sorted(d for d in subdirs if d not in EXCLUDED_DIRS)
-            for name in files:
-                path = Path(folder, name)
-                rel = path.relative_to(root)
-                if rel.match(cfg.dataset_glob) and path.is_file():
-                    yield rel.as_posix(), path
-        return
+    """(name, path) of every file of `dataset_path` matching the config, valid or not, in no
+    particular order."""
     for entry in sorted(cfg.dataset_path):
         root = Path(entry).expanduser()
         if root.is_file():
@@ -85,13 +91,16 @@ def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
                     yield path.relative_to(root).as_posix(), path
         else:
             raise DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing "
-                            "files or directories (or [] for the Python standard library)")
+                            "files or directories (or [] for the embedded default corpus)")
 
 
 def corpus_documents(cfg: Config) -> list[Document]:
     """The files of the corpus, sorted by path: files named by `dataset_path` (directories
     searched recursively for `dataset_glob`), without empty files and text files that are not
-    UTF-8. A file reached twice (nested entries, links) counts once."""
+    UTF-8. A file reached twice (nested entries, links) counts once. Without `dataset_path`, the
+    members of the embedded default corpus whose names match `dataset_glob`."""
+    if not cfg.dataset_path:
+        return _default_documents(cfg.dataset_glob)
     docs: dict[Path, Document] = {}
     for name, path in sorted(_candidates(cfg), key=lambda c: (c[1], c[0])):
         resolved = path.resolve()
@@ -99,11 +108,23 @@ def corpus_documents(cfg: Config) -> list[Document]:
         if resolved not in docs and usable:
             docs[resolved] = Document(name, path)
     if not docs:
-        where = cfg.dataset_path or [sysconfig.get_paths()["stdlib"]]
         raise DataError(f"config keys `dataset_path`/`dataset_glob`: no non-empty UTF-8 file "
-                        f"matches {cfg.dataset_glob!r} in {where}; point dataset_path at text "
-                        "files or directories, or change dataset_glob (e.g. '*.txt')")
+                        f"matches {cfg.dataset_glob!r} in {cfg.dataset_path}; point dataset_path "
+                        "at text files or directories, or change dataset_glob (e.g. '*.txt')")
     return sorted(docs.values(), key=lambda d: d.path)
+
+
+def _default_documents(glob: str) -> list[Document]:
+    """The embedded default corpus's members whose names match `glob` (as a path under a
+    `dataset_path` directory would), sorted by path. All are non-empty UTF-8 Python sources."""
+    archive = default_corpus.ARCHIVE
+    docs = [Document(name, archive / name, content)
+            for name, content in default_corpus.members() if PurePosixPath(name).match(glob)]
+    if not docs:
+        raise DataError(f"config key `dataset_glob`: no file of the embedded default corpus "
+                        f"(dataset_path: [], Python sources) matches {glob!r}; keep '*.py', or "
+                        "point dataset_path at your own files")
+    return sorted(docs, key=lambda d: d.path)
 
 
 def _is_text(path: Path) -> bool:

@@ -6,11 +6,11 @@
 A document longer than PIECE_CHARS characters is trained on and encoded in `pieces`, which bounds
 the memory of both (a 50 MB one-line document needed 4.8 GB, now 0.8 GB: docs/data.md).
 
-On the default corpus (CPython 3.11: 1,758 usable files, 31 MB) with 8,192 tokens, building
+On the embedded default corpus (1,758 files, 31.5 MB) with 8,192 tokens, building
 everything takes 25-35 s on two cores (BPE training 9-15 s, encoding 13-19 s; 8.5M tokens), so
 the BPE is trained on the whole training split, without a cap. Later runs load the cache in
-~1.5 s for both splits (listing and reading the corpus to check it; ~0.7 s once the process has
-read each file). Several processes may build the same cache at once:
+~1.4 s for both splits (0.7-1 s of it reading and checking the snapshot, once per process; 0.3 s
+after that; 2026-12-05, on a loaded machine). Several processes may build the same cache at once:
 every file is written to a temporary name and renamed into place, and all of them write the same
 bytes.
 """
@@ -86,10 +86,10 @@ def _digest(value) -> str:
 
 
 def fingerprint(docs: list[Document], cfg: Config) -> list:
-    """What identifies one split's documents for caching: sorted (name, size, mtime_ns) of the
-    files, and with record files what splits and reads their records."""
-    stats = [(d.name, d.path.stat()) for d in docs]
-    files = sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+    """What identifies one split's documents for caching: sorted (name, *version) of the
+    documents (`Document.version`: a file's size and mtime_ns, the embedded default corpus's
+    digest for its members), and with record files what splits and reads their records."""
+    files = sorted((d.name, *d.version()) for d in docs)
     if any(d.records for d in docs):
         return [files, cfg.seed, cfg.eval_fraction, cfg.dataset_text_field]
     return files
@@ -127,7 +127,7 @@ def read_tokenizer(path: Path, error: str, kind: type[ValueError] = ValueError) 
 def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, Path]:
     """(tokenizer, its cache directory). With `tokenizer_path` that file (the directory is keyed
     by its content); otherwise the BPE of `train_tokenizer` on `train_docs`, cached in a directory
-    keyed by the training files (names, sizes, mtimes), `tokenizer_vocab_size` and the
+    keyed by the training files (`fingerprint`), `tokenizer_vocab_size` and the
     `tokenizers` version, and trained only when absent. Literal '<|endoftext|>' in a text is
     encoded as text (`encode_special_tokens`), so only the pipeline places end-of-text ids."""
     if cfg.tokenizer_path:
@@ -147,7 +147,7 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
         directory = cache_root(cfg) / f"bpe-{_digest(key)}"
         path = directory / "tokenizer.json"
         if not path.exists():
-            size = sum(d.path.stat().st_size for d in train_docs) / 1e6
+            size = sum(d.size for d in train_docs) / 1e6
             log.info("training a %d-token byte-level BPE on %d files (%.1f MB)",
                      cfg.tokenizer_vocab_size, len(train_docs), size)
             trained = train_tokenizer(split_texts(train_docs, "train", cfg, note=False),
@@ -203,7 +203,7 @@ def _encode_batches(texts: Iterable[str]) -> Iterator[list[tuple[str, bool]]]:
 def load_stream(cfg: Config, tokenizer: Tokenizer, directory: Path, docs: list[Document],
                 split: str) -> np.ndarray:
     """[N] int32 token stream of `docs` (see `encode_documents`), cached as
-    `directory/{split}-{key}.npy`, the key covering the documents (names, sizes, mtimes)."""
+    `directory/{split}-{key}.npy`, the key covering the documents (`fingerprint`)."""
     path = directory / f"{split}-{_digest([CACHE_VERSION, split, fingerprint(docs, cfg)])}.npy"
     if not path.exists():
         log.info("encoding the %s split: %d files", split, len(docs))
