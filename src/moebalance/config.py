@@ -131,8 +131,8 @@ class Config:
     dataset_type: str = _key("synthetic", "synthetic (seeded random tokens) | text (text, JSON "
                              "Lines, Parquet files) | tokens (pre-tokenized .bin/.npy files)")
     dataset_path: list[str] = _key([], "files or directories (text, JSON Lines, Parquet; token "
-                                   "files for dataset_type tokens); empty: the Python standard "
-                                   "library's sources of the running interpreter")
+                                   "files for dataset_type tokens); empty: the embedded default "
+                                   "corpus (CPython 3.11.7's standard-library sources, fixed)")
     dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
     dataset_text_field: str = _key("text", "the field (JSON Lines) or column (Parquet) holding "
                                    "each record's text")
