@@ -2,14 +2,19 @@
 XLA path, forward and gradients, the Pallas kernels in interpret mode on the CPU; how `auto` and
 the config key choose. The Triton kernels' own tests: test_kernels_triton.py."""
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from moebalance import kernels
 from moebalance.config import EXPERT_KERNELS
 from moebalance.kernels import megablox
+from moebalance.model.moe import MoE, MoEConfig
 
 
 def _operands(rows_shape, k, n, groups, dtype, seed=0):
@@ -110,3 +115,21 @@ def test_triton_kernels_refuse_ragged_rows_with_the_fix():
     x, w, _ = _operands((8,), 16, 16, 2, jnp.float32)
     with pytest.raises(ValueError, match="blocked rows only.*moe_dispatch=blocked"):
         kernels.grouped_matmul(x, w, jnp.asarray([3, 5], jnp.int32), kernel="pallas")
+
+
+def test_layer_lowered_for_a_tpu_runs_megablox(monkeypatch):
+    """The default layer as a TPU runs it (lowered here, not compiled): ragged rows through
+    megablox's kernels (Mosaic), no ragged_dot. The loss is linear in the down projection, whose
+    forward is then dropped: gmm for gate and up, gmm with the weights transposed for the three
+    input gradients, tgmm for the three weight gradients."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    model = MoE(MoEConfig(emb_dim=128, num_experts=8, num_experts_per_tok=2, moe_mlp_dim=128,
+                          block_size=128, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    x = jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda state, x: nnx.merge(graphdef, state)(x)[0].astype(
+        jnp.float32).sum(), (0, 1)))
+    text = grad.trace(state, x).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text and "ragged_dot" not in text
+    calls = collections.Counter(re.findall(r"call @(t?gmm)", text))
+    assert calls == {"gmm": 5, "tgmm": 3}
