@@ -240,13 +240,18 @@ def _keys(args) -> int:
     return 0
 
 
-def _output_options() -> argparse.ArgumentParser:
-    """-q / -v for every subcommand: how much goes to stderr besides results and errors."""
+def _common_options() -> argparse.ArgumentParser:
+    """Every subcommand's: -q / -v (how much goes to stderr besides results and errors) and
+    --no-compile-cache."""
     common = argparse.ArgumentParser(add_help=False)
     level = common.add_mutually_exclusive_group()
     level.add_argument("-q", "--quiet", action="store_true",
                        help="only results and errors: no progress bar, no progress notes")
     level.add_argument("-v", "--verbose", action="store_true", help="also debugging notes")
+    common.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                        help="compile every program afresh and keep none: no persistent "
+                             "compilation cache ($MOEBALANCE_CACHE_DIR, default "
+                             "~/.cache/moebalance/xla)")
     return common
 
 
@@ -257,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    common = _output_options()
+    common = _common_options()
     demo = sub.add_parser("demo", parents=[common],
                           help="balancer simulation: every bias rule on skewed logits")
     demo.add_argument("--steps", type=_int_at_least(2), default=600,
@@ -376,14 +381,18 @@ def setup_logging(level: int) -> None:
     log.setLevel(level)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
     """Run one subcommand; every error the user can fix ends in one line on stderr and exit code
     2, a run stopped by SIGINT / SIGTERM in 130 / 143 (its checkpoint saved), Ctrl-C elsewhere in
-    130."""
+    130. compile_cache: turn on the persistent compilation cache (runtime) unless the command line
+    says --no-compile-cache (the installed command does; tests calling main leave it off)."""
     from moebalance.config import ConfigError
     from moebalance.rundir import RunStopped
+    from moebalance.runtime import enable_compilation_cache
 
     args = build_parser().parse_args(argv)
+    if compile_cache and args.compile_cache:
+        enable_compilation_cache()
     setup_logging(logging.WARNING if args.quiet else logging.DEBUG if args.verbose
                   else logging.INFO)
     try:
@@ -402,11 +411,10 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The installed `moebalance` command: main() in a process with huge-page malloc and the
     compilation cache on (runtime)."""
-    from moebalance.runtime import enable_compilation_cache, reexec_with_hugepage_malloc
+    from moebalance.runtime import reexec_with_hugepage_malloc
 
     reexec_with_hugepage_malloc()
-    enable_compilation_cache()
-    sys.exit(main())
+    sys.exit(main(compile_cache=True))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ process starts, so the command line re-executes itself once with the tunable set
 Compiled programs are kept on disk (JAX's persistent compilation cache) so that a later run of the
 same program skips XLA's compilation: measured on deepseek4-tiny's training step, 21 s of XLA
 compilation become 1.8 s of loading (tracing, ~5 s, still runs). Where: $MOEBALANCE_CACHE_DIR
-(default user_cache_root()/xla, i.e. ~/.cache/moebalance/xla; set it empty to turn the cache
-off), unless JAX's own
-$JAX_COMPILATION_CACHE_DIR is set. JAX keys each entry by the program, the XLA flags, the JAX
-version and the device, so a changed program or flag compiles afresh.
+(default user_cache_root()/xla, i.e. ~/.cache/moebalance/xla; set it empty, or give the command
+--no-compile-cache, to turn the cache off), unless JAX's own $JAX_COMPILATION_CACHE_DIR is set.
+JAX keys each entry by the program, the XLA flags, the JAX version and the device, so a changed
+program or flag compiles afresh. Kept: every program that took MIN_COMPILE_S or more to compile.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 CACHE_ENV = "MOEBALANCE_CACHE_DIR"
+# JAX keeps only programs that took 1 s to compile by default. A run also compiles dozens of small
+# ones (initialisation, eager array ops: 0.1-0.5 s each on a loaded 2-core CPU): 60 of them took
+# 22-27 s to compile and 8 s to load from the cache. Below 0.1 s loading saves little.
+MIN_COMPILE_S = 0.1
 
 
 def _glibc_supports_hugetlb() -> bool:
@@ -71,10 +75,14 @@ def compilation_cache_dir(environ=os.environ) -> str | None:
 
 
 def enable_compilation_cache(environ=os.environ) -> str | None:
-    """Turn on JAX's persistent compilation cache at compilation_cache_dir(); returns the path."""
+    """Turn on JAX's persistent compilation cache at compilation_cache_dir() for programs that
+    took MIN_COMPILE_S to compile (JAX's $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, when set,
+    instead); returns the path."""
     path = compilation_cache_dir(environ)
     if path is not None:
         import jax
 
         jax.config.update("jax_compilation_cache_dir", path)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     return path

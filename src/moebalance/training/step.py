@@ -277,13 +277,13 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
 @functools.cache
 def _eval_step(mesh):
     @nnx.jit
-    def step(model, tokens, mask, segment_ids):
+    def eval_step(model, tokens, mask, segment_ids):  # apart from the training `step` in logs
         out = model(tokens[:, :-1], segment_ids=segment_ids)
         ce = token_ce(model, out.hidden, tokens[:, 1:])
         m = mask.astype(jnp.float32)
         return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
 
-    return on_mesh(step, mesh)
+    return on_mesh(eval_step, mesh)
 
 
 def make_score_step(cfg: Config, model: DeepSeekV4, mesh=None):
@@ -297,8 +297,8 @@ def _score_step(routed: tuple[int, ...], num_experts: int, mesh):
     routed = jnp.asarray(routed, jnp.int32)
 
     @nnx.jit
-    def step(model, tokens, segment_ids):
+    def score_step(model, tokens, segment_ids):
         scores = model(tokens[:, :-1], segment_ids=segment_ids).routing.scores[routed]
         return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
 
-    return on_mesh(step, mesh)
+    return on_mesh(score_step, mesh)
