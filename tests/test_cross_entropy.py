@@ -3,6 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import tolerance
 from moebalance.training.cross_entropy import default_chunk, token_cross_entropy
 
 RNG = np.random.default_rng(0)
@@ -31,10 +32,10 @@ def test_values_and_gradients_equal_the_full_logits_formula(tokens, chunk):
     fused = objective(lambda h, head: token_cross_entropy(h, head, targets, chunk))
     ref = objective(lambda h, head: plain(h, head, targets))
     np.testing.assert_allclose(token_cross_entropy(h, head, targets, chunk),
-                               plain(h, head, targets), rtol=1e-5, atol=1e-5)
+                               plain(h, head, targets), **tolerance(rtol=1e-5, atol=1e-5))
     for got, want in zip(jax.grad(fused, argnums=(0, 1))(h, head),
                          jax.grad(ref, argnums=(0, 1))(h, head)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, want, **tolerance(rtol=1e-5, atol=1e-5))
 
 
 def test_hand_computed_case():

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 import reference_v4 as ref
+from conftest import tolerance
 from moebalance.config import ConfigError, load_config
 from moebalance.model import layers
 from moebalance.model.attention import Attention, Compressor
@@ -130,7 +131,7 @@ def test_compressor_matches_reference(ratio):
     for b in range(2):
         want = ref.compressor(f64(x[b]), f64(comp.wkv[...]), f64(comp.wgate[...]),
                               f64(comp.ape[...]), f64(comp.norm.weight[...]), ratio, freqs, 1e-6)
-        np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got[b], want, **tolerance(rtol=1e-4, atol=1e-5))
 
 
 def _params_of_attention(attn):
@@ -165,7 +166,7 @@ def test_attention_matches_reference(ratio, packed):
              index_head_dim=dims.index_head_dim, index_topk=dims.index_topk,
              q_norm=p["q_norm"], kv_norm=p["kv_norm"])
     want = ref.attention(f64(x[0]), p, c, freqs, seg)
-    np.testing.assert_allclose(got[0], want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(got[0], want, **tolerance(rtol=2e-4, atol=2e-5))
 
 
 CAUSAL = dict(compress_ratios=[0, 4, 8, 4], first_num_hash_layers=1, max_target_length=32,
@@ -198,7 +199,7 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
     run = nnx.jit(lambda m, t: m(t))
     a, b = run(scanned, tokens), run(unrolled, tokens)
-    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(a.logits, b.logits, **tolerance(rtol=1e-5, atol=1e-5))
     np.testing.assert_array_equal(a.routing.counts, b.routing.counts)
     assert a.routing.counts.shape == (7, 8) and a.routing.counts.dtype == jnp.int32
     assert (np.asarray(a.routing.counts).sum(1) == 2 * 16 * 2).all()
@@ -224,8 +225,8 @@ def test_full_remat_gives_the_same_loss_and_gradients_under_the_layer_scan():
 
         results.append(jax.jit(jax.value_and_grad(loss))(params))
     (loss_none, grads_none), (loss_full, grads_full) = results
-    np.testing.assert_allclose(loss_full, loss_none, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    np.testing.assert_allclose(loss_full, loss_none, **tolerance(rtol=1e-6))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tolerance(rtol=1e-4, atol=1e-6)),
                  grads_full, grads_none)
 
 
