@@ -3,7 +3,9 @@ for the new total, equal to a run started with that total exactly where the sche
 fewer steps than done, and any other key that differs, refused by name."""
 
 import dataclasses
+import os
 import shutil
+import signal
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from flax import nnx
 
 from moebalance import cli
 from moebalance.config import load_config
-from moebalance.rundir import RunDir
+from moebalance.rundir import RunDir, RunStopped
 from moebalance.training.checkpoint import restore_model
 from moebalance.training.hooks import Hook
 from moebalance.training.loop import train
@@ -29,6 +31,17 @@ class Notes(Hook):
 
     def note(self, text):
         self.texts.append(text)
+
+
+class StopAfter(Hook):
+    """Ctrl-C during step `step`: the run stops after it, its checkpoint saved."""
+
+    def __init__(self, step):
+        self.last = step
+
+    def step(self, record, counts):
+        if record["step"] == self.last:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +163,21 @@ def test_fewer_steps_than_done_are_refused(finished, tmp_path, capsys, moebalanc
         "steps (checkpoints/4); resume it with steps > 4")
     after = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != ".lock"}
     assert after == before
+
+
+def test_an_unfinished_run_can_end_sooner_but_after_the_steps_done(tmp_path, capsys,
+                                                                   moebalance_logger):
+    planned = load_config("deepseek4-smoke", {**SMALL, "steps": 8})
+    run = tmp_path / "run"
+    with pytest.raises(RunStopped):
+        train(planned, run, hooks=[StopAfter(3)])
+    assert resume_cli(capsys, run, "steps=4") == (
+        f"moebalance: steps: 8 in {run}/config.yaml, 4 given, but {run} has already done 4 "
+        "steps (checkpoints/4); resume it with steps > 4")
+    notes = Notes()
+    train(dataclasses.replace(planned, steps=6), run, resume=True, hooks=[notes])
+    assert notes.texts == ["steps 8 -> 6 (config.yaml updated): the schedules are recomputed "
+                           "for 6 steps from step 4 on; unlike a run started with steps=6, steps "
+                           "0-3 had the 8-step learning rate"]
+    assert [r["step"] for r in RunDir(run).metrics()] == list(range(6))
+    assert RunDir(run).finished(6) and RunDir(run).config().steps == 6
