@@ -42,13 +42,14 @@ def _assert_close(got, want, tol):
         np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max())
 
 
-# (rows M, group sizes, row tile): an empty group, rows past the sum, M not a whole number of
-# row tiles (megablox pads); then every row in a group and M a whole number of tiles
-RAGGED = [(40, [10, 0, 20, 5], 16), (48, [0, 32, 16], 16)]
+# (rows M, group sizes, row tile, dtype, tolerance): an empty group, rows past the sum, M not a
+# whole number of row tiles (megablox pads); then every row in a group, M a whole number of tiles
+RAGGED = [(40, [10, 0, 20, 5], 16, jnp.float32, 1e-5),
+          (40, [10, 0, 20, 5], 16, jnp.bfloat16, 1e-2),
+          (48, [0, 32, 16], 16, jnp.float32, 1e-5)]
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("rows,sizes,row_tile", RAGGED)
+@pytest.mark.parametrize("rows,sizes,row_tile,dtype,tol", RAGGED)
 def test_megablox_on_ragged_rows_equals_ragged_dot(rows, sizes, row_tile, dtype, tol):
     x, w, probe = _operands((rows,), 24, 40, len(sizes), dtype)
     sizes = jnp.asarray(sizes, jnp.int32)

@@ -33,8 +33,8 @@ def inputs(seed=1, shape=(2, 9)):
     return x, mask
 
 
-LAYOUTS = [("blocked", "xla"), ("blocked", "pallas"), ("blocked", "megablox"), ("ragged", "xla"),
-           ("ragged", "megablox")]  # dispatch, kernel (Pallas kernels interpreted on the CPU)
+# (dispatch, kernel); Pallas kernels interpreted on the CPU; megablox's blocks: test_kernels.py
+LAYOUTS = [("blocked", "xla"), ("blocked", "pallas"), ("ragged", "xla"), ("ragged", "megablox")]
 
 
 @pytest.mark.parametrize("dispatch,kernel", LAYOUTS)
