@@ -71,7 +71,8 @@ class Config:
     capacity_factor: float = _key(-1.0, "expert capacity factor (<= 0: dropless)")
     drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
     moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
-    moe_block_size: int = _key(256, "rows per block of the blocked dispatch")
+    moe_block_size: int = _key(256, "rows per block of the blocked dispatch; on the ragged "
+                               "one, megablox's row tile")
     moe_kernel: str = _key("auto", "the experts' grouped matmuls: auto (by backend, kernels.AUTO: "
                            "megablox on TPU, else xla) | xla (ragged_dot; on blocks, "
                            "each block's weights picked, then batched matmuls) | megablox (JAX's "

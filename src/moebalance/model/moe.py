@@ -62,7 +62,7 @@ class MoEConfig:
     capacity_factor: float = -1.0  # <= 0: dropless; else C = ceil(cf * T*K/E) per expert
     drop_policy: str = "probs"  # over capacity: drop lowest weight ('probs') or latest ('position')
     dispatch: str = "auto"  # blocked | ragged (jax.lax.ragged_dot) | auto: ragged on TPU only
-    block_size: int = 256  # rows per block of the blocked dispatch
+    block_size: int = 256  # rows per block of the blocked dispatch; ragged: megablox's row tile
     kernel: str = "auto"  # the experts' grouped matmuls: auto | xla | megablox | pallas (kernels/)
     ep_buffer_factor: float = 2.0  # expert parallelism: fast-path send slots (expert_parallel.py)
     dtype: str = "float32"  # activation / matmul dtype
