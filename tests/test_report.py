@@ -272,8 +272,8 @@ def test_compare_report_three_runs(tmp_path):
 
 def test_calibrated_runs_show_the_online_bias_variance(tmp_path):
     """A run that calibrated its biases also stored the probe under the online rule's bias:
-    the A/B table puts its variance beside Run B's; a comparison shows it for every run (the final
-    variance for runs that did not calibrate)."""
+    the A/B table puts its variance beside Run B's; a comparison shows it for the runs that
+    calibrated only."""
     online = [HASH, [8, 0, 0, 0], [4, 0, 2, 2]]  # variances 12 and 2, summed 14
     run_a = write_run(tmp_path / "a", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
     run_b = write_run(tmp_path / "b", STEP0, FINAL_B, ROUTING, tokens=4, k=2)
@@ -288,8 +288,12 @@ def test_calibrated_runs_show_the_online_bias_variance(tmp_path):
     assert "| Online Var (Run B) |" in markdown and "Online Var: " in markdown
     assert "| TOTAL/AVG | Top-K only | 14.00 | 14.00 | 2.50 | 82.14% | 2.00 | 14.00 |" in markdown
     table = report.compare_report([run_a, run_b], tmp_path / "cmp", console=quiet_console())
-    assert table["total"]["var_online"] == {"a": 14.0, "b": 14.0}
+    assert table["total"]["var_online"] == {"b": 14.0}  # run a did not calibrate: no column
     assert table["total"]["var"] == {"a": 14.0, "b": 2.5}
+    header = (tmp_path / "cmp" / "table.md").read_text().splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "Layer", "Routing", "Step 0 Var", "Var a", "MaxVio a", "Var b", "Online Var b",
+        "MaxVio b", "Floor"]
     # the online bias's counts must be counts of the probe
     probe["online"] = {"20": [HASH, [8, 0, 0, 0], [4, 0, 2, 1]]}
     (run_b / "probe_counts.json").write_text(json.dumps(probe))

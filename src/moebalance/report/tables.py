@@ -85,8 +85,9 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
     {"runs": [names], "same_probe": bool, "rows": [{layer, routing, var_step0: {name: v},
     var: {name: v}, maxvio: {name: v}, floor}], "total": {var_step0, var, maxvio, loss, steps:
     {name: v}, floor}}; totals are over the top-K layers (summed variances, mean MaxVio). When
-    every run measured its probe with refitted biases, rows and total hold var_refit; when one
-    calibrated its biases, var_online (the variance before the calibration; var for the others).
+    every run measured its probe with refitted biases, rows and total hold var_refit; when some
+    calibrated their biases, var_online for those runs only (the variance before the calibration;
+    the others' var is already the online rule's).
     When a run used expert parallelism, rows and total also hold rank_imbalance: {name: busiest
     rank / mean} (1.0 for runs without it).
     """
@@ -99,20 +100,21 @@ def compare_table(runs: list[tuple[str, Run]]) -> dict:
     refit = all(run.refit is not None for _, run in runs)
     online = any(run.online is not None for _, run in runs)
     for name, run in runs:
-        if online:
-            per_run[name]["var_online"] = layer_var(run.final if run.online is None else run.online)
+        if run.online is not None:
+            per_run[name]["var_online"] = layer_var(run.online)
         if refit:
             per_run[name]["var_refit"] = layer_var(run.refit)
     keys = ("var_step0", "var", *(("var_online",) if online else ()),
             *(("var_refit",) if refit else ()), "maxvio") + (
         ("rank_imbalance",) if any(run.ranks > 1 for _, run in runs) else ())
     rows = [{"layer": layer, "routing": kind,
-             **{key: {name: float(stats[key][layer]) for name, stats in per_run.items()}
-                for key in keys},
+             **{key: {name: float(stats[key][layer]) for name, stats in per_run.items()
+                      if key in stats} for key in keys},
              "floor": floor} for layer, kind in enumerate(first.routing)]
     topk = [r for r in rows if r["routing"] == "topk"]
     variances = [key for key in keys if key.startswith("var")]
-    total = {key: {name: sum(r[key][name] for r in topk) for name in per_run} for key in variances}
+    total = {key: {name: sum(r[key][name] for r in topk) for name in rows[0][key]}
+             for key in variances}
     for key in keys[len(variances):]:
         total[key] = {name: _mean([r[key][name] for r in topk]) for name in per_run}
     total["floor"] = floor * len(topk)
@@ -234,14 +236,15 @@ def _compare_cells(table: dict) -> tuple[list[str], list[list[str]], list[str]]:
     titles = {"var_step0": "Step 0 Var", "var": "Var", "var_online": "Online Var",
               "var_refit": "Refit Var",
               "maxvio": "MaxVio", "rank_imbalance": "EP max/mean"}
+    columns = [(name, key) for name in names for key in per_run if name in total[key]]
     headers = ["Layer", "Routing", *(["Step 0 Var"] if same else []),
-               *(f"{titles[key]} {name}" for name in names for key in per_run), "Floor"]
+               *(f"{titles[key]} {name}" for name, key in columns), "Floor"]
 
     def cells(label: str, routing: str, r: dict) -> list[str]:
         fmt = {"var_step0": "{:.2f}", "var": "{:.2f}", "var_online": "{:.2f}",
                "var_refit": "{:.2f}", "maxvio": "{:.3f}", "rank_imbalance": "{:.3f}"}
         return [label, routing, *([f"{r['var_step0'][names[0]]:.2f}"] if same else []),
-                *(fmt[key].format(r[key][name]) for name in names for key in per_run),
+                *(fmt[key].format(r[key][name]) for name, key in columns),
                 f"{r['floor']:.2f}"]
 
     rows = [cells(str(r["layer"]), ROUTING_LABELS[r["routing"]], r) for r in table["rows"]]
