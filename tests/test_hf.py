@@ -2,6 +2,7 @@
 (tests/fixtures/hf/, made by tools/make_hf_fixture.py; no torch here)."""
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -132,10 +133,17 @@ def test_save_pretrained_names_are_deepseeks():
 # --- our own round trip, errors ---------------------------------------------------------------
 
 
-def test_round_trip_is_bit_exact_and_sharded(saved):
+def test_round_trip_is_bit_exact_and_sharded(saved, caplog):
     cfg, model, path = saved
     assert (path / "model.safetensors.index.json").exists()
-    cfg2, model2 = hf.load(path)
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    with caplog.at_level(logging.INFO, logger="moebalance"):
+        cfg2, model2 = hf.load(path)
+    # a sharded checkpoint's load shows its progress, one note per shard
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"reading {name}" for name in shards] and len(shards) > 1
+    assert caplog.records[-1].getMessage().startswith(f"reading {shards[-1]} ({len(shards)} of "
+                                                      f"{len(shards)}, ")
     assert cfg2 == cfg  # incl. swiglu_limit 0 (off), written as transformers' Infinity
     assert _config_json(path)["swiglu_limit"] == float("inf")
     _assert_same_model(model, model2)  # every variable, the MTP layer's too

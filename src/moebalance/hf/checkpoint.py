@@ -15,6 +15,7 @@ Scales may be float32 or ue8m0 (F8_E8M0, 2^(u-127)).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from moebalance import safetensors_io as st
 from moebalance.hf import names
 from moebalance.hf.config import config_from_hf, config_to_hf
 from moebalance.model.transformer import DeepSeekV4
+
+log = logging.getLogger(__name__)
 
 # --- our parameters and DeepSeek's names ------------------------------------------------------
 
@@ -183,7 +186,10 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     tensors, source = {}, {}
-    for file in files:
+    for i, file in enumerate(files, 1):
+        if len(files) > 1:  # a real checkpoint: tens of shards of a few GB each
+            log.info("reading %s (%d of %d, %.2f GB)", file, i, len(files),
+                     (path / file).stat().st_size / 1e9)
         for name, value in st.load(path / file).items():
             if name in tensors:
                 raise st.SafetensorsError(f"{path}: tensor {name!r} is in both {source[name]} "
@@ -240,7 +246,9 @@ def save(model: DeepSeekV4, config, path, *, max_shard_bytes: int = 2 * 1024**3,
     shards = _shards(tensors, max_shard_bytes)
     files = ([f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
              if len(shards) > 1 else ["model.safetensors"])
-    for shard, file in zip(shards, files):
+    for i, (shard, file) in enumerate(zip(shards, files), 1):
+        if len(shards) > 1:
+            log.info("writing %s (%d of %d)", file, i, len(shards))
         st.save(shard, path / file, metadata={"format": "pt"})
     if len(shards) > 1:
         weight_map = {n: f for shard, f in zip(shards, files) for n in shard}
