@@ -23,6 +23,21 @@ def test_progress_notes_reach_stderr_once(moebalance_logger, capsys):
     assert captured.err.count("encoding the train split") == 1 and captured.out == ""
 
 
+def test_a_repeated_warning_is_shown_once_per_command(moebalance_logger, capsys):
+    cli.setup_logging(logging.INFO)
+    log = logging.getLogger("moebalance.routing")
+    for _ in range(2):  # e.g. Run A and Run B building the same uneven hash table
+        log.warning("hash table 'balanced': expected MaxVio 0.5385 on the given token counts")
+        log.info("encoding the train split: 3 files")
+    log.warning("another warning")
+    err = capsys.readouterr().err
+    assert err.count("expected MaxVio 0.5385") == 1 and err.count("another warning") == 1
+    assert err.count("encoding the train split") == 2  # notes are not warnings
+    cli.setup_logging(logging.INFO)  # the next command shows it again
+    log.warning("hash table 'balanced': expected MaxVio 0.5385 on the given token counts")
+    assert capsys.readouterr().err.count("expected MaxVio") == 1
+
+
 @pytest.mark.parametrize("flag, shown", [("-q", ()), ("", ("info",)), ("-v", ("info", "debug"))])
 def test_quiet_and_verbose(moebalance_logger, capsys, flag, shown):
     assert cli.main(["keys", "zzz-no-such-key", *([flag] if flag else [])]) == 0

@@ -371,12 +371,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _WarnOnce(logging.Filter):
+    """Passes a warning the first time only: `ab` builds both runs' hash tables from the same
+    data, and one uneven table is one problem, not two."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        first = message not in self.seen
+        self.seen.add(message)
+        return first
+
+
 def setup_logging(level: int) -> None:
     """Our progress notes (data building, sampling) on stderr, each once: the `moebalance` logger
     gets one handler and does not pass records on to the root logger, which libraries imported
-    here (orbax, tensorboardX) give a handler of their own."""
+    here (orbax, tensorboardX) give a handler of their own; a warning repeated within the command
+    is shown once."""
     log = logging.getLogger("moebalance")
-    log.handlers[:] = [logging.StreamHandler(sys.stderr)]
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_WarnOnce())
+    log.handlers[:] = [handler]
     log.propagate = False
     log.setLevel(level)
 
