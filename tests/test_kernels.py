@@ -43,15 +43,16 @@ def _assert_close(got, want, tol):
 
 
 # (rows M, group sizes, row tile, dtype, tolerance): an empty group, rows past the sum, M not a
-# whole number of row tiles (megablox pads); then every row in a group, M a whole number of tiles
-RAGGED = [(40, [10, 0, 20, 5], 16, jnp.float32, 1e-5),
-          (40, [10, 0, 20, 5], 16, jnp.bfloat16, 1e-2),
-          (48, [0, 32, 16], 16, jnp.float32, 1e-5)]
+# whole number of row tiles (megablox pads); then every row in a group, M two whole row tiles and
+# a group across their boundary
+RAGGED = [(40, [10, 0, 20, 5], 128, jnp.float32, 1e-5),
+          (40, [10, 0, 20, 5], 128, jnp.bfloat16, 1e-2),
+          (256, [0, 100, 156], 128, jnp.float32, 1e-5)]
 
 
 @pytest.mark.parametrize("rows,sizes,row_tile,dtype,tol", RAGGED)
 def test_megablox_on_ragged_rows_equals_ragged_dot(rows, sizes, row_tile, dtype, tol):
-    x, w, probe = _operands((rows,), 24, 40, len(sizes), dtype)
+    x, w, probe = _operands((rows,), 128, 256, len(sizes), dtype)  # TPU-sized K, N
     sizes = jnp.asarray(sizes, jnp.int32)
     got = _value_and_grads(
         lambda x, w: kernels.grouped_matmul(x, w, sizes, kernel="megablox", row_tile=row_tile),
@@ -68,7 +69,7 @@ def test_blocked_rows_equal_gathered_weights(kernel):
     """Blocks of 8 rows, group 1 without blocks; against autodiff of an einsum over each block's
     weights gathered by indexing (neither a one-hot pick nor a kernel)."""
     block_group = jnp.asarray([0, 0, 2, 2, 3], jnp.int32)
-    x, w, probe = _operands((5, 8), 24, 40, 4, jnp.float32)
+    x, w, probe = _operands((5, 8), 128, 256, 4, jnp.float32)
     got = _value_and_grads(lambda x, w: kernels.grouped_matmul(x, w, block_group, kernel=kernel),
                            x, w, probe)
     want = _value_and_grads(lambda x, w: jnp.einsum("nbk,nkf->nbf", x, w[block_group]),
@@ -77,10 +78,15 @@ def test_blocked_rows_equal_gathered_weights(kernel):
     assert not np.asarray(got[2][1]).any()  # no rows, no gradient
 
 
-def test_auto_picks_by_backend(monkeypatch):
+def test_auto_picks_by_backend_and_what_megablox_fits(monkeypatch):
     assert kernels.resolve("auto") == "xla"  # the CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert kernels.resolve("auto") == "megablox"
+    x, w, _ = _operands((8,), 128, 256, 2, jnp.bfloat16)
+    assert kernels.resolve("auto", x, w) == "megablox"
+    x, w, _ = _operands((8,), 128, 40, 2, jnp.bfloat16)  # N not a whole number of 128 lanes
+    assert kernels.resolve("auto", x, w) == "xla"
+    assert kernels.resolve("megablox", x, w) == "megablox"  # asked for: the TPU refuses it
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels.resolve("auto") == "xla"
     for kernel in kernels.KERNELS:
@@ -98,14 +104,14 @@ def test_auto_inside_shard_map_is_xla_and_megablox_is_refused_with_the_fix(monke
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("expert",))
     spec = jax.sharding.PartitionSpec("expert")
     sizes = jnp.asarray([3, 5], jnp.int32)
-    x, w, _ = _operands((8,), 16, 16, 2, jnp.float32)
+    x, w, _ = _operands((8,), 128, 128, 2, jnp.float32)  # shapes megablox fits
 
     def run(fn):
         return jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)(x)
 
     chosen = []
-    run(lambda x: chosen.append(kernels.resolve("auto", x)) or x)
-    assert chosen == ["xla"]
+    run(lambda x: chosen.append(kernels.resolve("auto", x, w)) or x)
+    assert kernels.resolve("auto", x, w) == "megablox" and chosen == ["xla"]
     np.testing.assert_allclose(run(lambda x: kernels.grouped_matmul(x, w, sizes)),
                                jax.lax.ragged_dot(x, w, sizes), rtol=1e-6)
     with pytest.raises(NotImplementedError, match="inside shard_map.*moe_kernel=xla"):

@@ -134,7 +134,7 @@ def test_blocked_backward_keeps_no_per_block_weights():
     """Each block's copy of its expert's weights ([nb, D, F], nb / E times the weights) is picked
     again in the backward pass rather than kept: none of what jax.vjp keeps for the backward, bar
     the layer's own weights, has the shape of a weight matrix."""
-    model = make(dispatch="blocked")
+    model = make(dispatch="blocked", kernel="xla")
     graphdef, state = nnx.split(model)
     x, _ = inputs()
     residuals = jax.make_jaxpr(lambda state, x: jax.vjp(

@@ -8,12 +8,14 @@ group and w [G, K, N]:
     weight grad  dw = tgmm(x^T, dy, sizes)                dw[g] = sum over g's rows of x^T dy
 
 (its `gmm` carries that backward pass as a custom VJP). A kernel program is one tile of
-`row_tile` rows x TILE_N columns accumulated over TILE_K of the contraction in float32; a row tile
-that straddles two groups is visited once per group, masked, so smaller row tiles waste less on
-many small groups (64 experts of a few hundred rows each) and larger ones feed the MXU longer.
-Off a TPU the kernels run in Pallas' interpret mode (exact, slow: for tests). Not inside shard_map
-(expert parallelism, any multi-device mesh): JAX 0.10.2's megablox leaves its output's variance
-over the mesh axes unset, which shard_map's type check refuses.
+`row_tile` rows x TILE output columns accumulated over TILE of the contraction in float32; a row
+tile that straddles two groups is visited once per group, masked, so smaller row tiles waste less
+on many small groups (64 experts of a few hundred rows each) and larger ones feed the MXU longer.
+On a TPU a tile's minor dimension comes in whole 128 lanes, and K, N and the rows each are one in
+some of the three kernels, so the row tile is rounded up to a multiple of LANES and K and N must
+be multiples of it (`fits`). Off a TPU the kernels run in Pallas' interpret mode (exact, slow: for
+tests). Not inside shard_map (expert parallelism, any multi-device mesh): JAX 0.10.2's megablox
+leaves its output's variance over the mesh axes unset, which shard_map's type check refuses.
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-TILE_K = TILE_N = 512  # untuned: the device run sweeps only the row tile (docs/performance.md)
+TILE = 512  # contraction and output columns per tile, untuned (docs/performance.md)
+LANES = 128  # a TPU tiles an array's minor dimension in whole 128 lanes
+
+
+def fits(x, w) -> bool:
+    """Whether megablox runs x [..., K] @ w [G, K, N] on a TPU: K and N whole multiples of LANES,
+    outside shard_map."""
+    return (x.shape[-1] % LANES == 0 and w.shape[2] % LANES == 0
+            and not jax.typeof(x).manual_axis_type.varying)
 
 
 def grouped_matmul(x, w, group_sizes, row_tile: int):
     """y[i] = x[i] @ w[g(i)]: [M, K] sorted by group x [G, K, N], [G] int32 -> [M, N] in x's
-    dtype; rows past sum(group_sizes) give zeros, and so does their input gradient."""
+    dtype; rows past sum(group_sizes) give zeros, and so does their input gradient. row_tile is
+    rounded up to a multiple of LANES."""
     if jax.typeof(x).manual_axis_type.varying:
         raise NotImplementedError(
             "moe_kernel=megablox cannot run inside shard_map (a multi-device mesh): JAX's megablox "
             "leaves its output's mesh variance unset; use moe_kernel=xla or auto here")
     m, k = x.shape
+    row_tile = -(-row_tile // LANES) * LANES
     pad = -m % row_tile  # megablox takes whole row tiles
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
@@ -40,7 +52,8 @@ def grouped_matmul(x, w, group_sizes, row_tile: int):
     # rows of groups beyond w's (its way of running a shard of the experts), forward and input
     # gradient alike, where they would otherwise be left unwritten.
     sizes = jnp.append(group_sizes.astype(jnp.int32), m + pad - group_sizes.sum(dtype=jnp.int32))
-    tiling = (row_tile, min(TILE_K, k), min(TILE_N, w.shape[2]))
+    tile = min(TILE, k, w.shape[2])  # one size for K and N: they swap in the input gradient
+    tiling = (row_tile, tile, tile)
     y = gmm(x, w.astype(x.dtype), sizes, x.dtype, tiling,
             interpret=jax.default_backend() != "tpu")
     return y[:m] if pad else y

@@ -3,8 +3,8 @@ config key and the backend, beside the operation's plain XLA path (the reference
 
     grouped_matmul   y[i] = x[i] @ w[g(i)] over rows sorted by group: the MoE layer's experts
 
-Implementations (KERNELS; `auto` is AUTO[jax.default_backend()], the fastest measured there, and
-the XLA path inside shard_map):
+Implementations (KERNELS; `auto` is AUTO[jax.default_backend()], the fastest measured there, or
+the XLA path where megablox does not fit the operands: megablox.fits):
 
     xla       ragged rows: jax.lax.ragged_dot; blocked rows: each block's weights picked by a
               one-hot matmul, then one batched matmul. Any backend.
@@ -28,13 +28,14 @@ KERNELS = ("xla", "megablox", "pallas")
 AUTO = {"cpu": "xla", "gpu": "xla", "tpu": "megablox"}
 
 
-def resolve(kernel: str, x: jax.Array | None = None) -> str:
-    """The implementation a `moe_kernel` value runs on this backend (for operand x: inside
-    shard_map `auto` is the XLA path, since megablox cannot run there; megablox.py)."""
+def resolve(kernel: str, x: jax.Array | None = None, w: jax.Array | None = None) -> str:
+    """The implementation a `moe_kernel` value runs on this backend (given the operands x and w:
+    `auto` is the XLA path where megablox does not fit them)."""
     if kernel == "auto":
-        if x is not None and jax.typeof(x).manual_axis_type.varying:
+        kernel = AUTO.get(jax.default_backend(), "xla")
+        if kernel == "megablox" and x is not None and not megablox.fits(x, w):
             return "xla"
-        return AUTO.get(jax.default_backend(), "xla")
+        return kernel
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose auto or one of {KERNELS}")
     return kernel
@@ -51,7 +52,7 @@ def grouped_matmul(x, w, groups, *, kernel: str = "auto", row_tile: int = 256):
     kernel: a KERNELS entry or `auto`. row_tile: rows per megablox tile on ragged rows (on blocked
     rows its tile is the block, which never straddles two groups).
     """
-    kernel = resolve(kernel, x)
+    kernel = resolve(kernel, x, w)
     if x.ndim == 3:
         nb, b, k = x.shape
         if kernel == "pallas":
