@@ -49,8 +49,8 @@ def grouped_matmul(x, w, groups, *, kernel: str = "auto", row_tile: int = 256):
     blocked rows  x [nb, b, K], groups [nb] int32 non-decreasing: every row of block n is in
                   group groups[n] (the blocked and capacity layouts) -> [nb, b, N]
 
-    kernel: a KERNELS entry or `auto`. row_tile: rows per megablox tile on ragged rows (on blocked
-    rows its tile is the block, which never straddles two groups).
+    kernel: a KERNELS entry or `auto`. row_tile: rows per megablox tile on ragged rows; on blocked
+    rows its tile is the block (megablox rounds either up to whole 128 lanes).
     """
     kernel = resolve(kernel, x, w)
     if x.ndim == 3:
