@@ -209,13 +209,15 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
         np.testing.assert_array_equal(b.routing.indices[layer], np.asarray(tables[layer])[tokens])
 
 
-def test_full_remat_gives_the_same_loss_and_gradients_under_the_layer_scan():
+@pytest.mark.parametrize("policy, dispatch", [("full", "blocked"), ("minimal", "blocked"),
+                                              ("save_experts", "ragged")])
+def test_remat_policies_give_the_same_loss_and_gradients_under_the_layer_scan(policy, dispatch):
     over = dict(compress_ratios=[0, 0, 4], base_num_decoder_layers=3, first_num_hash_layers=2,
-                max_target_length=16)  # hash blocks 0-1: one scan
+                max_target_length=16, moe_dispatch=dispatch)  # hash blocks 0-1: one scan
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     results = []
-    for policy in ("none", "full"):
-        cfg = load_config("deepseek4-smoke", {**over, "remat_policy": policy})
+    for remat in ("none", policy):
+        cfg = load_config("deepseek4-smoke", {**over, "remat_policy": remat})
         model = DeepSeekV4(cfg, rngs=nnx.Rngs(3))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 

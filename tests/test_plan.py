@@ -94,6 +94,24 @@ def test_plan_command_json_and_the_fit(capsys):
     assert result["all_to_all"]["fast"]["none"] < result["all_to_all"]["worst"]["none"]
 
 
+def test_remat_policies_keep_less_the_more_they_recompute(capsys):
+    """Activations by remat policy (the residuals the policy really saves, traced): none keeps
+    everything, save_experts the weight and expert matmuls, minimal the weight matmuls only,
+    full the blocks' inputs. The config's own policy is planned beside none and full."""
+    def smoke_plan(policy):
+        return plan.plan(load_config("deepseek4-smoke", {"moe_dispatch": "ragged",
+                                                         "remat_policy": policy}), 1)
+
+    acts = {policy: smoke_plan(policy).activations[policy] for policy in ("minimal",
+                                                                         "save_experts")}
+    result = smoke_plan("none")
+    assert list(result.activations) == ["none", "full"]
+    acts.update(result.activations)
+    assert acts["none"] > acts["save_experts"] > acts["minimal"] > acts["full"], acts
+    assert main(["plan", "deepseek4-smoke", "remat_policy=minimal", "--devices", "1"]) == 0
+    assert "remat minimal" in capsys.readouterr().out
+
+
 def test_a_mesh_that_does_not_fit_the_devices_fails_naming_the_keys(capsys):
     with pytest.raises(ConfigError, match="do not divide the 7 devices"):
         plan.plan(smoke("1,-1,4"), 7)

@@ -99,18 +99,19 @@ def _plan(args) -> int:
     print(f"{args.config} on {args.devices} devices ({mesh}), {unit} per device:")
     table = Table()
     table.add_column("")
-    for col in ("remat none", "remat full"):
-        table.add_column(col, justify="right")
+    policies = list(result.activations)  # none, full and the config's remat_policy
+    for policy in policies:
+        table.add_column(f"remat {policy}", justify="right")
     for name in ("parameters", "optimizer", "gradients", "gathered"):
-        table.add_row(name, *[f"{getattr(result, name) / scale:,.2f}"] * 2)
+        table.add_row(name, *[f"{getattr(result, name) / scale:,.2f}"] * len(policies))
     for name, values in (("activations", result.activations),
-                         ("total", {r: result.total(r) for r in ("none", "full")}),
+                         ("total", {r: result.total(r) for r in policies}),
                          *((f"all-to-all sent/step ({path})", result.all_to_all[path])
                            for path in ("fast", "worst"))):
-        table.add_row(name, *(f"{values[r] / scale:,.2f}" for r in ("none", "full")))
+        table.add_row(name, *(f"{values[r] / scale:,.2f}" for r in policies))
     if args.device_memory:
         table.add_row(f"fits {args.device_memory:g} GiB",
-                      *("yes" if result.fits(r) else "no" for r in ("none", "full")))
+                      *("yes" if result.fits(r) else "no" for r in policies))
     Console().print(table)
     print(f"largest block's residuals: {result.block / scale:,.2f} {unit}; all-to-all pairs "
           f"across hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")

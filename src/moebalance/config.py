@@ -18,6 +18,7 @@ import yaml
 PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
 EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (kernels/ops.py)
+REMAT_POLICIES = ("none", "full", "minimal", "save_experts")  # model/transformer.py
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
@@ -88,7 +89,10 @@ class Config:
     dtype: str = _key("float32", "activation dtype (router, bias, hyper-connections stay fp32)")
     weight_dtype: str = _key("float32", "parameter dtype")
     scan_layers: bool = _key(True, "run repeated blocks under a scan (fast compile)")
-    remat_policy: str = _key("none", "rematerialise blocks in the backward pass: none | full")
+    remat_policy: str = _key("none", "what each block keeps for the backward pass, the rest "
+                             "recomputed: none (everything) | full (its inputs only) | minimal "
+                             "(+ the weight matmuls' outputs) | save_experts (+ the routed "
+                             "experts' matmuls')")
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")
@@ -199,8 +203,8 @@ def validate(c: Config) -> None:
                  "qk_rope_head_dim", f"must be even and in (0, {key}={width}], "
                  f"got {c.qk_rope_head_dim}")
     _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
-    _require(c.remat_policy in ("none", "full"), "remat_policy",
-             f"must be 'none' or 'full', got {c.remat_policy!r}")
+    _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
+             f"unknown policy {c.remat_policy!r}; choose one of {REMAT_POLICIES}")
     _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
     longest = int(c.original_max_position_embeddings * c.rope_factor)
     _require(c.max_target_length <= longest, "max_target_length",

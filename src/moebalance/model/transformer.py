@@ -59,6 +59,28 @@ def layer_freqs(cfg: Config, ratio: int):
     )
 
 
+def _saves_matmuls(prim, *_, **params) -> bool:
+    """Remat policy `save_experts`: keep the weight matmuls' outputs (no batch dimension) and the
+    routed experts' grouped matmuls' (jax.lax.ragged_dot, Pallas kernels)."""
+    if prim is jax.lax.dot_general_p:
+        return not params["dimension_numbers"][1][0]
+    return prim.name in ("ragged_dot_general", "pallas_call")
+
+
+# What a block keeps for its backward pass under each `remat_policy` (config.REMAT_POLICIES);
+# the rest is recomputed from the block's inputs. `none` runs no jax.checkpoint at all.
+REMAT_POLICIES = {
+    # nothing: the whole block's forward runs again
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # MaxText's `minimal`: every matmul with weights (projections, router, shared expert, hyper-
+    # connection maps); the attention scores and the routed experts are recomputed
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # `minimal` and the routed experts' gate, up and down outputs: only elementwise work, the
+    # attention scores and the dispatch's gathers run again
+    "save_experts": _saves_matmuls,
+}
+
+
 class Block(nnx.Module):
     """One transformer block: hyper-connected attention, then hyper-connected MoE."""
 
@@ -66,7 +88,7 @@ class Block(nnx.Module):
         d, m, eps = cfg.base_emb_dim, cfg.hc_mult, cfg.normalization_layer_epsilon
         hc = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=eps, rngs=rngs)
         self.freqs = tuple(float(f) for f in layer_freqs(cfg, ratio))
-        self.remat = cfg.remat_policy == "full"
+        self.remat = cfg.remat_policy
         self.attn_hc = HyperConnection(d, m, **hc)
         self.attn_norm = RMSNorm(d, eps)
         self.attn = Attention(attention_dims(cfg, ratio), rngs)
@@ -91,7 +113,7 @@ class Block(nnx.Module):
         return HyperConnection.post(out, h, post, comb), record, extra
 
     def __call__(self, h, token_ids, positions, segment_ids, mask):
-        if not self.remat:
+        if self.remat == "none":
             return self.forward(h, token_ids, positions, segment_ids, mask)
         # jax.checkpoint over the split state, not nnx.remat: under a layer scan the parameters
         # and the hash table are traced at different levels, which nnx.remat refuses
@@ -100,7 +122,8 @@ class Block(nnx.Module):
         def forward(state, *args):
             return nnx.merge(graphdef, state).forward(*args)
 
-        return jax.checkpoint(forward)(state, h, token_ids, positions, segment_ids, mask)
+        return jax.checkpoint(forward, policy=REMAT_POLICIES[self.remat])(
+            state, h, token_ids, positions, segment_ids, mask)
 
 
 def layer_kinds(cfg: Config) -> list[tuple[int, bool]]:

@@ -15,8 +15,8 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  routed experts still split over `expert`
     activations  what the backward pass keeps from the forward pass of one micro-batch, plus the
                  backward's working set:
-                     remat none:  saved(loss)       + 2 x block
-                     remat full:  saved(loss, full) + 3 x block
+                     remat none:  saved(loss)         + 2 x block
+                     otherwise:   saved(loss, policy) + 3 x block
                  saved(.) = the residuals of `jax.vjp` of the trainer's own loss (`step.losses`),
                  traced at the global batch under the abstract mesh: every array the backward
                  reads that is not an input. An array computed from the batch is split over all
@@ -26,14 +26,15 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  is decided per top-level operation, so what a layer scan saves counts as from
                  the batch, weight casts inside it too (undercounted by N / fsdp; they are a small
                  part, and a remat scan saves only the blocks' inputs). With full remat the saved
-                 arrays are each block's inputs.
+                 arrays are each block's inputs, with another policy also what it keeps.
                  block = the largest single block's residuals. The backward of a block holds
-                 about twice that again (WORKING_SET: the cotangents of its arrays); under full
-                 remat it first recomputes the block's residuals (one more). The dispatch traced
-                 is the GPUs' (`blocked`) unless the config names another. Under expert
-                 parallelism this counts what the code does: `lax.cond` keeps the residuals of
-                 both buffers (the branch not taken as zeros), so the worst-case buffer's R * A
-                 rows per layer are paid in memory on every step, not only when it runs.
+                 about twice that again (WORKING_SET: the cotangents of its arrays); under a
+                 remat policy it first recomputes the block's residuals (one more, at most).
+                 The dispatch traced is the GPUs' (`blocked`) unless the config names another.
+                 Under expert parallelism this counts what the code does: `lax.cond` keeps the
+                 residuals of both buffers (the branch not taken as zeros), so the worst-case
+                 buffer's R * A rows per layer are paid in memory on every step, not only when
+                 it runs.
 
 Not counted: XLA's own temporaries beyond that working set (fusion can also drop residuals it
 recomputes), the [chunk, V] cross-entropy logits (32 MiB), framework and allocator overhead. The
@@ -44,7 +45,7 @@ All-to-all traffic (expert parallelism, R = expert-axis size > 1): per MoE layer
 device sends R * S rows (S = ceil(ep_buffer_factor * A / R) slots per rank on the fast path, A on
 the worst-case one; A = the device's token-expert assignments), of which (R - 1) / R leave it:
 forward dispatch (row, routing weight, expert id) and combine (row), the backward's transposes of
-both, and the forward again under full remat. `cross_host` is the share of those bytes between
+both, and the forward again under a remat policy. `cross_host` is the share of those bytes between
 devices of different hosts, the expert axis being the mesh's last (consecutive devices).
 """
 
@@ -83,9 +84,9 @@ class Plan:
     optimizer: int
     gradients: int
     gathered: int
-    activations: dict  # {"none": bytes, "full": bytes}: by remat policy
+    activations: dict  # {policy: bytes}: none, full and the config's remat_policy
     block: int  # the largest block's residuals (a part of the activations)
-    all_to_all: dict  # {"fast"|"worst": {"none"|"full": bytes sent per step}}: buffer, remat
+    all_to_all: dict  # {"fast"|"worst": {policy: bytes sent per step}}: buffer, remat
     cross_host: float  # share of the all-to-all device pairs on two hosts (of bytes: evenly routed)
     device_memory: int  # bytes, 0 = not given
 
@@ -98,8 +99,8 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self),
-                "total": {r: self.total(r) for r in ("none", "full")},
-                "fits": {r: self.fits(r) for r in ("none", "full")}}
+                "total": {r: self.total(r) for r in self.activations},
+                "fits": {r: self.fits(r) for r in self.activations}}
 
 
 def mesh_of(shape: tuple) -> AbstractMesh:
@@ -228,11 +229,13 @@ def gathered_bytes(blocks: list[Block], mesh: AbstractMesh) -> int:
     return max(param_bytes(b, whole) - param_bytes(b, mesh) for b in blocks)
 
 
-def all_to_all_bytes(cfg: Config, ranks: int) -> dict[str, dict[str, int]]:
+def all_to_all_bytes(cfg: Config, ranks: int,
+                     policies=("none", "full")) -> dict[str, dict[str, int]]:
     """Bytes one device sends to other devices per step over the expert axis, on the fast and the
-    worst-case buffer, by remat policy: {"fast": {"none": .., "full": ..}, "worst": {..}}."""
+    worst-case buffer, by remat policy: {"fast": {"none": .., "full": ..}, "worst": {..}}. Every
+    policy but none runs the forward's exchanges again (none keeps their outputs)."""
     if ranks == 1:
-        return {path: {"none": 0, "full": 0} for path in ("fast", "worst")}
+        return {path: dict.fromkeys(policies, 0) for path in ("fast", "worst")}
     assign = cfg.per_device_batch_size * cfg.max_target_length * cfg.num_experts_per_tok
     row = cfg.base_emb_dim * jnp.dtype(cfg.dtype).itemsize
     forward = (row + 4 + 4) + row  # dispatch: row, float32 weight, int32 expert; combine: row
@@ -240,9 +243,9 @@ def all_to_all_bytes(cfg: Config, ranks: int) -> dict[str, dict[str, int]]:
     exchanges = cfg.gradient_accumulation_steps * (cfg.base_num_decoder_layers
                                                    + cfg.mtp_num_layers)
     slots = {"fast": fast_slots(assign, ranks, cfg.ep_buffer_factor) or assign, "worst": assign}
-    return {path: {remat: exchanges * s * (ranks - 1) * (forward * (1 + (remat == "full"))
+    return {path: {remat: exchanges * s * (ranks - 1) * (forward * (1 + (remat != "none"))
                                                          + backward)
-                   for remat in ("none", "full")} for path, s in slots.items()}
+                   for remat in policies} for path, s in slots.items()}
 
 
 def cross_host_share(ranks: int, devices: int, devices_per_host: int) -> float:
@@ -267,18 +270,19 @@ def plan(cfg: Config, devices: int, device_memory_gib: float = 0.0,
     if devices_per_host < 1:
         raise ConfigError(f"--devices-per-host must be >= 1, got {devices_per_host}")
     mesh = abstract_mesh(cfg, devices)
-    traced = {remat: traced_config(cfg, remat) for remat in ("none", "full")}
+    policies = tuple(dict.fromkeys(("none", "full", cfg.remat_policy)))
+    traced = {remat: traced_config(cfg, remat) for remat in policies}
     models = {remat: abstract_model(c) for remat, c in traced.items()}  # the same variables
     model, blocks = models["none"], abstract_blocks(traced["none"])
     block = max(block_residuals(traced["none"], b, mesh) for b in blocks)
     activations = {remat: loss_residuals(traced[remat], models[remat], mesh)
-                   + (WORKING_SET + (remat == "full")) * block for remat in traced}
+                   + (WORKING_SET + (remat != "none")) * block for remat in traced}
     grads = param_bytes(model, mesh)  # one per nnx.Param
     ranks = mesh.shape["expert"]
     return Plan(mesh=dict(mesh.shape), parameters=shard_bytes(model, mesh),
                 optimizer=shard_bytes(abstract_optimizer(cfg, model), mesh),
                 gradients=grads * (2 if cfg.gradient_accumulation_steps > 1 else 1),
                 gathered=gathered_bytes(blocks, mesh), activations=activations, block=block,
-                all_to_all=all_to_all_bytes(cfg, ranks),
+                all_to_all=all_to_all_bytes(cfg, ranks, policies),
                 cross_host=cross_host_share(ranks, devices, devices_per_host),
                 device_memory=int(device_memory_gib * GIB))
