@@ -164,3 +164,15 @@ def test_a_shared_program_refuses_configs_it_cannot_run():
         cfg = load_config("deepseek4-smoke", {**BASE, **change})
         with pytest.raises(ValueError, match=next(iter(change))):
             make_train_step(cfg, model, program=cfg_b)
+
+
+def test_the_step_donates_the_state_it_replaces():
+    """The model's and optimizer's old buffers are given to the step (its new state takes their
+    place: one copy of the state in memory, not two), and the objects hold the new state."""
+    cfg, model, opt = setup()
+    tokens, mask, seg = batch(1, 2)
+    old = jax.tree.leaves(nnx.state((model, opt)))
+    make_train_step(cfg, model)(model, opt, tokens, mask, seg)
+    new = jax.tree.leaves(nnx.state((model, opt)))
+    assert len(old) == len(new) and all(leaf.is_deleted() for leaf in old)
+    assert not any(leaf.is_deleted() for leaf in new) and int(opt.step[...]) == 1
