@@ -34,6 +34,7 @@ form of benchmarks/results/h200.json.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import itertools
 import json
@@ -75,6 +76,7 @@ def dense_gemm_gflops(dtype: str = "float32", size: int | None = None, repeats: 
 PEAK_FLOPS = {
     "NVIDIA H200": {"bfloat16": 989e12},
     "NVIDIA H100 80GB HBM3": {"bfloat16": 989e12},
+    "TPU v5 lite": {"bfloat16": 197e12},  # TPU v5e
 }
 
 
@@ -155,38 +157,53 @@ def expert_layout(cfg) -> str:
     return f"blocked, {cfg.moe_block_size} rows per block, {kernel}"
 
 
+def moment_dtype(optimizer) -> str:
+    """The dtype of most of AdamW's first-moment (mu) elements: the parameters' storage dtype
+    (optax keeps the moments in it); the router's float32 moments are a small part."""
+    sizes = collections.Counter()
+    for path, v in nnx.to_flat_state(nnx.state(optimizer)):
+        if "mu" in path:
+            sizes[str(v.dtype)] += int(np.prod(v.shape))
+    return sizes.most_common(1)[0][0]
+
+
 def record_run(result: dict, notes: str = "") -> dict:
-    """One run of a record (benchmarks/results/h200.json) from a `bench` result."""
+    """One run of a record (benchmarks/results/h200.json, tpu-v5e.json) from a `bench` result."""
     flops = result["model_flops"]
-    note = (f"{result['layers']} layers, {result['batch']} x {result['seq']} tokens, "
+    micro = f"{result['accumulation']} x " if result["accumulation"] > 1 else ""
+    note = (f"{result['layers']} layers, {micro}{result['batch']} x {result['seq']} tokens, "
             f"{result['dtype']}; model TFLOP per step {flops['total'] / 1e12:.4g} (parameters "
             f"{flops['parameters'] / 1e12:.4g}, attention {flops['attention'] / 1e12:.4g}, "
             f"indexer {flops['indexer'] / 1e12:.4g})")
     if result["overrides"]:
         note += "; " + " ".join(result["overrides"])
     return {
-        "config": result["config"], "tokens_per_step": result["batch"] * result["seq"],
-        "step_s": result["step_s"],
+        "config": result["config"], "layers": result["layers"],
+        "tokens_per_step": result["tokens_per_step"], "step_s": result["step_s"],
+        "tokens_per_s": result["tokens_per_s"],
         "model_tflops": float(f"{flops['total'] / result['step_s'] / 1e12:.4g}"),
         "mfu": result["mfu"], "compile_s": result["compile_s"],
         "device_peak_gib": result["device_peak_gb"], "expert_layout": result["expert_layout"],
-        "notes": f"{note}; {notes}" if notes else note,
+        "weight_dtype": result["weight_dtype"], "optimizer_dtype": result["optimizer_dtype"],
+        "remat": result["remat"], "notes": f"{note}; {notes}" if notes else note,
     }
 
 
 def append_record(path: Path, run: dict, *, device: str, date: str, jax_version: str,
                   flax_version: str) -> dict:
     """Append `run` to the record at `path` (created if missing) and write it atomically:
-    {"device", "date" (of the latest run), "jax", "flax", "runs": [...]}. A record holds one
-    device and software stack: appending a run of another raises ValueError."""
+    {"device", "date" (of the latest run), "jax", "flax", "runs": [...]}, any other key of the
+    record kept as it was (tpu_record.py's "peer" and "ab"). A record holds one device and
+    software stack: appending a run of another raises ValueError."""
     path = Path(path)
     head = {"device": device, "jax": jax_version, "flax": flax_version}
-    record = json.loads(path.read_text()) if path.exists() else {**head, "runs": []}
-    clash = {k: (record.get(k), v) for k, v in head.items() if record.get(k) != v}
+    record = json.loads(path.read_text()) if path.exists() else {}
+    clash = {k: (record[k], v) for k, v in head.items() if k in record and record[k] != v}
     if clash:
         raise ValueError(f"{path} records another device or stack: {clash}")
     record = {"device": device, "date": date, "jax": jax_version, "flax": flax_version,
-              "runs": [*record["runs"], run]}
+              "runs": [*record.get("runs", []), run],
+              **{k: v for k, v in record.items() if k not in (*head, "date", "runs")}}
     write_atomic(path, lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
     return record
 
@@ -219,15 +236,20 @@ def bench(config, overrides, batch, seq, steps, dtype):
     compile_s, step_s, cpu_s, metrics = time_step(
         step, model, optimizer, sharding.global_batch(mesh, tokens, mask, segment_ids), steps)
     flops = model_flops(cfg, segment_ids)
+    tokens = int(np.prod(np.shape(segment_ids)))  # [A, B, S]: every micro-batch of the step
     model_gflop = flops["total"] / 1e9
     gemm = dense_gemm_gflops(dtype)
     device = jax.devices()[0]
     stats = device.memory_stats()  # an accelerator's allocator; None on a CPU
     return {
         "config": config, "overrides": overrides, "layers": cfg.base_num_decoder_layers,
-        "dtype": dtype, "batch": batch, "seq": seq, "init_s": round(init_s, 2),
-        "compile_s": round(compile_s, 2), "step_s": round(step_s, 3), "step_cpu_s": round(cpu_s, 3),
-        "tokens_per_s": round(batch * seq / step_s, 1), "loss": round(float(metrics["loss"]), 4),
+        "dtype": dtype, "weight_dtype": cfg.weight_dtype,
+        "optimizer_dtype": moment_dtype(optimizer), "remat": cfg.remat_policy, "batch": batch,
+        "seq": seq,
+        "accumulation": cfg.gradient_accumulation_steps, "tokens_per_step": tokens,
+        "init_s": round(init_s, 2), "compile_s": round(compile_s, 2), "step_s": round(step_s, 3),
+        "step_cpu_s": round(cpu_s, 3), "tokens_per_s": round(tokens / step_s, 1),
+        "loss": round(float(metrics["loss"]), 4),
         "model_flops": flops, "model_gflop_per_step": round(model_gflop, 1),
         "model_gflops": round(model_gflop / step_s, 1), "dense_gemm_gflops": round(gemm, 1),
         "of_dense_gemm": round(model_gflop / step_s / gemm, 4),

@@ -18,8 +18,9 @@ from moebalance.config import load_config
 from moebalance.model.transformer import parameter_counts
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_KEYS = ["config", "tokens_per_step", "step_s", "model_tflops", "mfu", "compile_s",
-            "device_peak_gib", "expert_layout", "notes"]
+RUN_KEYS = ["config", "layers", "tokens_per_step", "step_s", "tokens_per_s", "model_tflops", "mfu",
+            "compile_s", "device_peak_gib", "expert_layout", "weight_dtype", "optimizer_dtype",
+            "remat", "notes"]
 
 
 def _benchmark(name: str):
@@ -99,6 +100,7 @@ def test_mfu_is_model_flops_over_step_time_over_the_peak(model_step):
     assert model_step.mfu(2.5e14, 0.5, "NVIDIA H200", "bfloat16") == round(2.5e14 / 0.5 / 989e12, 4)
     assert model_step.mfu(2.5e14, 0.5, "cpu", "bfloat16") is None
     assert model_step.mfu(2.5e14, 0.5, "NVIDIA H200", "float32") is None
+    assert model_step.mfu(2.5e14, 0.5, "TPU v5 lite", "bfloat16") == round(2.5e14 / 0.5 / 197e12, 4)
 
 
 def test_record_schema_and_append(model_step, cfg, tmp_path):
@@ -106,14 +108,18 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
     step_s = 0.125
     result = {  # what bench() returns for a run, its measured parts made up
         "config": "deepseek4-smoke", "overrides": ["compress_ratios=[0,4,128,0]"], "layers": 4,
-        "dtype": "bfloat16", "batch": 2, "seq": 256, "step_s": step_s, "compile_s": 12.5,
-        "model_flops": flops,
+        "dtype": "bfloat16", "weight_dtype": "bfloat16", "optimizer_dtype": "bfloat16",
+        "remat": "minimal", "batch": 2, "seq": 256, "accumulation": 4, "tokens_per_step": 2048,
+        "step_s": step_s, "tokens_per_s": 16384.0, "compile_s": 12.5, "model_flops": flops,
         "mfu": model_step.mfu(flops["total"], step_s, "NVIDIA H200", "bfloat16"),
         "expert_layout": model_step.expert_layout(cfg), "device_peak_gb": 1.5,
     }
     run = model_step.record_run(result, "a note")
     assert list(run) == RUN_KEYS
-    assert run["tokens_per_step"] == 512
+    assert (run["tokens_per_step"], run["tokens_per_s"], run["layers"]) == (2048, 16384.0, 4)
+    assert (run["weight_dtype"], run["optimizer_dtype"], run["remat"]) == ("bfloat16", "bfloat16",
+                                                                           "minimal")
+    assert "4 x 2 x 256 tokens" in run["notes"]
     assert run["mfu"] == round(flops["total"] / step_s / 989e12, 4)
     assert math.isclose(run["model_tflops"], flops["total"] / step_s / 1e12, rel_tol=1e-3)
     assert run["expert_layout"] == "blocked, 256 rows per block, xla matmuls"
@@ -122,9 +128,11 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
     path = tmp_path / "results" / "h200.json"
     stack = dict(device="NVIDIA H200", jax_version="0.11.2", flax_version="0.12.10")
     model_step.append_record(path, run, date="2026-12-05", **stack)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "peer": [{"step_s": 0.3}]}))
     model_step.append_record(path, {**run, "step_s": 0.25}, date="2026-12-06", **stack)
     record = json.loads(path.read_text())
-    assert list(record) == ["device", "date", "jax", "flax", "runs"]
+    assert list(record) == ["device", "date", "jax", "flax", "runs", "peer"]
+    assert record["peer"] == [{"step_s": 0.3}]  # what tpu.sh added is kept
     assert (record["device"], record["date"], record["jax"]) == ("NVIDIA H200", "2026-12-06",
                                                                  "0.11.2")
     assert [r["step_s"] for r in record["runs"]] == [step_s, 0.25]

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The TPU v5e measurements of issue 35 (docs/performance.md: On one TPU v5e) as one script, for
+# the device machine: one TPU v5e chip (15.75 GiB, 197 TFLOP/s bf16), Python 3.11 with JAX
+# 0.10.2 and libtpu, no registry, its own package index at /opt/pypi/simple. Every measurement
+# goes into the record $OUT/tpu-v5e.json (commit it as benchmarks/results/tpu-v5e.json; when that
+# file exists in the checkout it is copied to $OUT first, so that device calls add to it):
+#
+#   bash benchmarks/tpu.sh [step]   (default; ~7 minutes)
+#     1. the training step of benchmarks/configs/deepseek4-d1024.yml at 8 x 2048 = 16,384 tokens
+#        with AdamW, bf16 weights and optimizer state, and the remat policy that fits the chip by
+#        XLA's memory analysis compiled on the CPU (benchmarks/aot_memory.py: REMAT), then at
+#        2 x 2048 with full remat (the run of 2026-12-05: 0.511 s), each a run of the record
+#        (model_step.py --record) and its JSON line in $OUT/d1024.json,
+#     2. profile_step.py on the 8 x 2048 step: device time by part ($OUT/profile-d1024.json, its
+#        tables in $OUT/log.txt);
+#   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
+#     same width (shared/peers/maxtext-tpu copied into .peer/ and carried), its steps -> "peer";
+#   bash benchmarks/tpu.sh ab       `moebalance ab deepseek4-tiny` on the chip -> "ab".
+#
+# Each part has its own time limit (opening the chip costs ~15 s per program, and only one
+# program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt
+# (default OUT=/tmp/tpu). What the machine's index lacks or holds at other versions comes as
+# wheels in .whl-tpu/ (made here by benchmarks/tpu_wheels.sh, carried: `carry: [".whl-tpu"]`);
+# all go into /tmp/site, after the machine's own packages on PYTHONPATH (its JAX stays first).
+set -u
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/tpu}  # run.sh of the peer writes its log there too
+MODE=${1:-step}
+REMAT=${REMAT:-full}
+mkdir -p "$OUT"
+RECORD=$OUT/tpu-v5e.json
+[ -f benchmarks/results/tpu-v5e.json ] && [ ! -f "$RECORD" ] && cp benchmarks/results/tpu-v5e.json "$RECORD"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+D1024=benchmarks/configs/deepseek4-d1024.yml
+NOTES="benchmarks/tpu.sh"
+PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain|tokenizers"
+PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"
+PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-compile --no-cache-dir"
+
+log() { tee -a "$OUT/log.txt"; }
+
+part() {  # part SECONDS NAME COMMAND...: under a time limit; stdout to $OUT/NAME.json
+    local limit=$1 name=$2 start=$SECONDS
+    shift 2
+    echo "== $name: $* (limit ${limit} s)" | log
+    timeout "$limit" "$@" >> "$OUT/$name.json" 2>> "$OUT/log.txt"
+    echo "== $name: exit $? after $((SECONDS - start)) s" | log
+}
+
+# the large packages from the machine's index, the rest from .whl-tpu (all without dependencies:
+# nothing may replace the machine's JAX)
+$PIP --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site --no-deps \
+    tensorstore tokenizers pyyaml typing_extensions protobuf pyarrow matplotlib contourpy cycler \
+    fonttools kiwisolver packaging pillow pyparsing python-dateutil six nest_asyncio 2>&1 | log
+if compgen -G ".whl-tpu/*.whl" > /dev/null; then
+    $PIP --no-index --no-deps --upgrade --target /tmp/site .whl-tpu/*.whl 2>&1 | log
+else
+    echo "no .whl-tpu/: run benchmarks/tpu_wheels.sh here and carry .whl-tpu" | log
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site
+python3 --version | log
+python3 -m pip list 2>/dev/null | grep -iE "^($PACKAGES)\s" | log
+python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__,
+                                    jax.devices())' 2>&1 | log
+
+case "$MODE" in
+step)
+    part 220 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" weight_dtype=bfloat16 \
+        "remat_policy=$REMAT"
+    part 120 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" weight_dtype=bfloat16 \
+        remat_policy=full
+    part 150 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 8 \
+        --seq 2048 --steps 1 --top 25 weight_dtype=bfloat16 "remat_policy=$REMAT"
+    cat "$OUT/d1024.json" "$OUT/profile-d1024.json"
+    ;;
+peer)
+    if [ -f .peer/maxtext-tpu/run.sh ]; then
+        part 420 maxtext bash .peer/maxtext-tpu/run.sh
+        python3 benchmarks/tpu_record.py peer "$RECORD" "$OUT/maxtext.log" 2>&1 | log
+    else
+        echo "no .peer/maxtext-tpu: copy shared/peers/maxtext-tpu there and carry .peer" | log
+    fi
+    ;;
+ab)
+    start=$SECONDS
+    part 480 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
+    python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
+    ;;
+*)
+    echo "usage: bash benchmarks/tpu.sh [step|peer|ab]" >&2
+    exit 2
+    ;;
+esac
+cat "$RECORD" 2>/dev/null

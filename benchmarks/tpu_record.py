@@ -1,0 +1,82 @@
+"""The parts of the TPU record (benchmarks/results/tpu-v5e.json) that model_step.py's runs do not
+write, for benchmarks/tpu.sh:
+
+    peer  MaxText's step lines on the same chip (shared/peers/maxtext-tpu/run.sh's log: "completed
+          step: N, seconds: S, TFLOP/s/device: F, Tokens/s/device: T"), steps 0 (compilation)
+          and 2 (its timer there reads an asynchronous dispatch) left out -> the record's "peer"
+    ab    `moebalance ab`'s result on the chip (the experiment directory's table.json "total" row
+          and the command's wall time) -> the record's "ab"
+
+Each is written into the record atomically, its other keys kept (a record that does not exist
+yet is created with this part alone; model_step.py's first run adds the device and the stack).
+
+    python benchmarks/tpu_record.py peer RECORD MAXTEXT_LOG [--config TEXT]
+    python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR WALL_S
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+from moebalance.atomic import write_atomic
+
+STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+), "
+                  r"Tokens/s/device: ([\d.]+)")
+SKIPPED = {0, 2}  # compilation; an asynchronous dispatch's time
+
+
+def maxtext_run(log: str, config: str) -> dict:
+    """A peer run from MaxText's log: the median step of the steps kept, and each of them."""
+    steps = [(int(m[1]), float(m[2]), float(m[3]), float(m[4])) for m in STEP.finditer(log)]
+    kept = [s for s in steps if s[0] not in SKIPPED]
+    if not kept:
+        raise ValueError(f"no step lines beyond steps {sorted(SKIPPED)} in MaxText's log")
+    step_s = statistics.median(s[1] for s in kept)
+    return {"system": "MaxText", "config": config, "step_s": round(step_s, 4),
+            "tokens_per_s": round(statistics.median(s[3] for s in kept), 1),
+            "model_tflops": round(statistics.median(s[2] for s in kept), 2),
+            "steps": [{"step": n, "step_s": s, "tflops": f, "tokens_per_s": t}
+                      for n, s, f, t in kept]}
+
+
+def ab_result(experiment: Path, wall_s: float) -> dict:
+    """The A/B experiment's summary: its table.json "total" row and the wall time."""
+    total = json.loads((Path(experiment) / "table.json").read_text())["total"]
+    return {"wall_s": round(wall_s, 1), **{k: v for k, v in total.items()
+                                          if k not in ("layer", "routing")}}
+
+
+def set_part(path: Path, key: str, value) -> dict:
+    """record[key] = value (a list key: appended to), written atomically."""
+    path = Path(path)
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record[key] = [*record.get(key, []), value] if key == "peer" else value
+    write_atomic(path, lambda f: f.write((json.dumps(record, indent=1) + "\n").encode()))
+    return record
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    peer = sub.add_parser("peer")
+    peer.add_argument("record", type=Path)
+    peer.add_argument("log", type=Path)
+    peer.add_argument("--config", default="shared/peers/maxtext-tpu/run.sh defaults (d1024 "
+                      "width, 9 layers, 2 x 2048 tokens, bf16 weights, full remat)")
+    ab = sub.add_parser("ab")
+    ab.add_argument("record", type=Path)
+    ab.add_argument("experiment", type=Path)
+    ab.add_argument("wall_s", type=float)
+    args = parser.parse_args(argv)
+    if args.part == "peer":
+        set_part(args.record, "peer", maxtext_run(args.log.read_text(), args.config))
+    else:
+        set_part(args.record, "ab", ab_result(args.experiment, args.wall_s))
+
+
+if __name__ == "__main__":
+    main()

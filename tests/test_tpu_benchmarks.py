@@ -1,0 +1,170 @@
+"""The TPU benchmarks' CPU-side parts: aot_memory.py reading XLA's memory analysis, live-range
+dump and HLO (the formats of the TPU compiler's files, abridged) and the whole script compiling
+the smoke step for the CPU; tpu_record.py's peer and A/B parts of the record; tpu.sh's syntax."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import types
+
+import pytest
+from flax import nnx
+
+from moebalance.config import load_config
+from moebalance.training import plan
+from test_benchmarks import ROOT, _benchmark
+
+LIVE_RANGE = """HloLiveRange (max 15):
+  InstructionSequence:
+    0:a.1
+  BufferLiveRange:
+    a.1{}:0-15
+    copy-start{0}:1-14
+  Live ranges at 14 (peak):
+    a.1{}: 33554432 bytes (cumulative: 33554432 bytes)
+    fusion.4{1}: 1024 bytes (cumulative: 33555456 bytes)
+    convolution_add_fusion{}: 67108864 bytes (cumulative: 100664320 bytes)
+    copy-start{0}: 8192 bytes (cumulative: 100672512 bytes)
+  Stack trace breakdown for peak usage: 100 672 512 bytes
+    main.1 (100.0%, total: 100 672 512 bytes, current: 0 bytes, remaining: 100 672 512 bytes)
+"""
+
+HLO = """HloModule jit_train_step, is_scheduled=true
+
+ENTRY %main.2 (a.1: bf16[4096,4096]) -> bf16[4096,4096] {
+  %a.1 = bf16[4096,4096]{1,0:T(8,128)(2,1)} parameter(0), sharding={replicated}, metadata={op_name="model"}
+  %copy-start = (bf16[2048]{0:T(1024)S(1)}, bf16[2048]{0:T(1024)}, u32[]{:S(2)}) copy-start(%a.1), cross_program_prefetch_index=0
+  %fusion.4 = (bf16[4096]{0:T(1024)(128)(2,1)S(1)}, /*index=1*/bf16[8,64]{1,0:T(8,128)(2,1)}) fusion(%a.1), kind=kLoop, calls=%f, metadata={op_name="jit(train_step)/while/body/mhc/mul" stack_frame_id=2}
+  ROOT %convolution_add_fusion = f32[4096,4096]{1,0:T(8,128)} fusion(%a.1), kind=kOutput, calls=%g, metadata={op_name="jit(train_step)/transpose(jvp(experts))/dot_general" stack_frame_id=3}
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def aot():
+    return _benchmark("aot_memory")
+
+
+def test_peak_values_are_the_peak_section_only(aot):
+    assert aot.peak_values(LIVE_RANGE) == [("a.1", "{}", 33554432), ("fusion.4", "{1}", 1024),
+                                           ("convolution_add_fusion", "{}", 67108864),
+                                           ("copy-start", "{0}", 8192)]
+    assert aot.peak_values("HloLiveRange (max 0):\n") == []
+
+
+def test_tuple_elements_and_instructions(aot):
+    shape = "(bf16[4096]{0:T(1024)}, /*index=1*/bf16[8,64]{1,0}, (s32[], f32[2]{0}))"
+    assert aot.tuple_element(shape, "{1}") == "/*index=1*/bf16[8,64]{1,0}"
+    assert aot.tuple_element(shape, "{2,1}") == "f32[2]{0}"
+    assert aot.tuple_element("f32[3]{0}", "{}") == "f32[3]{0}"
+    named = aot.instructions(HLO)
+    assert named["a.1"] == ("bf16[4096,4096]{1,0:T(8,128)(2,1)}", "model")
+    assert named["copy-start"][1] == ""  # no metadata
+    assert named["copy-start"][0].startswith("(bf16[2048]") and named["copy-start"][0].endswith(
+        "u32[]{:S(2)})")
+    assert named["convolution_add_fusion"][1].endswith("transpose(jvp(experts))/dot_general")
+
+
+def test_peak_buffers_largest_first_with_space_shape_and_operation(aot):
+    buffers = aot.peak_buffers(LIVE_RANGE, HLO, top=3)
+    assert buffers == [
+        {"value": "convolution_add_fusion{}", "mib": 64.0, "space": "hbm",
+         "shape": "f32[4096,4096]",
+         "op_name": "jit(train_step)/transpose(jvp(experts))/dot_general"},
+        {"value": "a.1{}", "mib": 32.0, "space": "hbm", "shape": "bf16[4096,4096]",
+         "op_name": "model"},
+        {"value": "copy-start{0}", "mib": 0.0, "space": "vmem", "shape": "bf16[2048]",
+         "op_name": ""}]
+    assert aot.peak_buffers(LIVE_RANGE, HLO, top=4)[3]["shape"] == "bf16[8,64]"  # no comment
+
+
+def test_memory_gib_needed_is_what_hbm_holds_at_once(aot):
+    gib = 2**30
+    stats = types.SimpleNamespace(argument_size_in_bytes=8 * gib, output_size_in_bytes=8 * gib,
+                                  alias_size_in_bytes=6 * gib, temp_size_in_bytes=3 * gib,
+                                  generated_code_size_in_bytes=gib // 4,
+                                  peak_memory_in_bytes=int(13.5 * gib))
+    assert aot.memory_gib(stats) == {"argument": 8.0, "output": 8.0, "alias": 6.0, "temp": 3.0,
+                                     "generated_code": 0.25, "needed": 13.0, "peak": 13.5}
+
+
+def test_a_step_the_chip_cannot_hold_is_read_from_the_compilers_refusal(aot):
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (49.45G) exceeds available HBM (15.75G).\nmore detail")
+    assert aot.refusal(message) == {"temp": 49.45, "refused": message.splitlines()[0]}
+    assert aot.refusal("INTERNAL: Mosaic failed to compile TPU kernel") is None
+
+
+def test_the_smoke_step_compiled_for_the_cpu(aot):
+    """The whole script on this machine's CPU: the trainer's step of a two-layer deepseek4-smoke
+    (2 micro-batches of 2 x 32 tokens), its memory, its largest buffers at the peak, the plan."""
+    out = aot.analyse("deepseek4-smoke", ["base_num_decoder_layers=2", "compress_ratios=[0,4]",
+                                          "first_num_hash_layers=1", "gradient_accumulation_steps=2",
+                                          "remat_policy=minimal"], "cpu", batch=2, seq=32, top=5)
+    memory = out["memory_gib"]
+    assert out["tokens_per_step"] == 128 and out["remat"] == "minimal"
+    assert memory["argument"] > 0 and memory["temp"] > 0
+    assert memory["needed"] == pytest.approx(memory["argument"] + memory["output"]
+                                             - memory["alias"] + memory["temp"], abs=2e-3)
+    buffers = out["peak_buffers"]
+    assert len(buffers) == 5 and [b["mib"] for b in buffers] == sorted(
+        (b["mib"] for b in buffers), reverse=True)
+    assert all(b["shape"] and b["space"] == "hbm" and b["op_name"] for b in buffers)
+    assert 0.5 < out["plan_gib"]["plan / needed"] < 2  # the planner, near XLA's account
+
+
+MAXTEXT_LOG = """I1205 completed step: 0, seconds: 61.210, TFLOP/s/device: 0.111, Tokens/s/device: 66.9, loss: 12.0
+I1205 completed step: 1, seconds: 0.335, TFLOP/s/device: 20.36, Tokens/s/device: 12227.0, loss: 11.9
+I1205 completed step: 2, seconds: 0.010, TFLOP/s/device: 682.0, Tokens/s/device: 409600.0, loss: 11.8
+I1205 completed step: 3, seconds: 0.332, TFLOP/s/device: 20.54, Tokens/s/device: 12337.3, loss: 11.7
+I1205 completed step: 4, seconds: 0.331, TFLOP/s/device: 20.61, Tokens/s/device: 12374.6, loss: 11.6
+"""
+
+
+@pytest.fixture(scope="module")
+def tpu_record():
+    return _benchmark("tpu_record")
+
+
+def test_peer_is_maxtexts_median_step_without_steps_0_and_2(tpu_record):
+    run = tpu_record.maxtext_run(MAXTEXT_LOG, "d1024")
+    assert (run["step_s"], run["tokens_per_s"], run["model_tflops"]) == (0.332, 12337.3, 20.54)
+    assert [s["step"] for s in run["steps"]] == [1, 3, 4]
+    with pytest.raises(ValueError, match="no step lines"):
+        tpu_record.maxtext_run(MAXTEXT_LOG.splitlines()[0], "d1024")
+
+
+def test_peer_and_ab_parts_join_the_record_that_model_step_appends_to(tpu_record, tmp_path):
+    log, record = tmp_path / "maxtext.log", tmp_path / "tpu-v5e.json"
+    log.write_text(MAXTEXT_LOG)
+    tpu_record.main(["peer", str(record), str(log)])
+    experiment = tmp_path / "ab"
+    experiment.mkdir()
+    total = {"layer": "TOTAL/AVG", "routing": "topk", "improvement": 0.978, "loss_a": 8.89,
+             "loss_b": 8.90, "steps": 20, "tokens_per_step": 2048}
+    (experiment / "table.json").write_text(json.dumps({"rows": [], "total": total}))
+    tpu_record.main(["ab", str(record), str(experiment), "131.4"])
+    _benchmark("model_step").append_record(record, {"step_s": 0.5}, device="TPU v5 lite",
+                                           date="2026-12-06", jax_version="0.10.2",
+                                           flax_version="0.12.8")
+    got = json.loads(record.read_text())
+    assert list(got) == ["device", "date", "jax", "flax", "runs", "peer", "ab"]
+    assert got["peer"][0]["system"] == "MaxText" and got["runs"] == [{"step_s": 0.5}]
+    assert got["ab"] == {"wall_s": 131.4, "improvement": 0.978, "loss_a": 8.89, "loss_b": 8.90,
+                         "steps": 20, "tokens_per_step": 2048}
+
+
+def test_tpu_scripts_parse():
+    for script in ("tpu.sh", "tpu_wheels.sh"):
+        subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_the_record_names_the_dtype_of_adamws_moments(weight_dtype):
+    """AdamW keeps its moments in the weights' dtype; the float32 router's are a small part."""
+    cfg = load_config("deepseek4-smoke", {"weight_dtype": weight_dtype})
+    optimizer = plan.abstract_optimizer(cfg, plan.abstract_model(cfg))
+    assert _benchmark("model_step").moment_dtype(optimizer) == weight_dtype
+    assert {str(v.dtype) for p, v in nnx.to_flat_state(nnx.state(optimizer))
+            if "mu" in p} == {weight_dtype, "float32"}  # not a test of a single dtype
