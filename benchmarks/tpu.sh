@@ -5,14 +5,17 @@
 # goes into the record $OUT/tpu-v5e.json (commit it as benchmarks/results/tpu-v5e.json; when that
 # file exists in the checkout it is copied to $OUT first, so that device calls add to it):
 #
-#   bash benchmarks/tpu.sh [step]   (default; ~7 minutes)
-#     1. the training step of benchmarks/configs/deepseek4-d1024.yml at 8 x 2048 = 16,384 tokens
-#        with AdamW, bf16 weights and optimizer state, and the remat policy that fits the chip by
-#        XLA's memory analysis compiled on the CPU (benchmarks/aot_memory.py: REMAT), then at
-#        2 x 2048 with full remat (the run of 2026-12-05: 0.511 s), each a run of the record
-#        (model_step.py --record) and its JSON line in $OUT/d1024.json,
-#     2. profile_step.py on the 8 x 2048 step: device time by part ($OUT/profile-d1024.json, its
-#        tables in $OUT/log.txt);
+#   bash benchmarks/tpu.sh [step]   (default; ~9 minutes) the training step of
+#     benchmarks/configs/deepseek4-d1024.yml with AdamW, bf16 weights and optimizer state, full
+#     remat, each a run of the record (model_step.py --record) and its JSON line in
+#     $OUT/d1024.json, in the order of what XLA's memory analysis compiled on the CPU says
+#     (benchmarks/aot_memory.py, docs/performance.md):
+#     1. 4 x (2 x 2048) = 16,384 tokens by gradient accumulation (expected to fit; not compiled),
+#     2. 8 x 2048 in one micro-batch (XLA's heap peak 14.06 GiB fits, its arguments + temporary
+#        block 17.28 GiB do not: the device peak or the failure says which the chip follows),
+#     3. 2 x 2048 (the run of 2026-12-05, 0.511 s, 15.1 GiB, before the step donated its state);
+#   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
+#     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
 #     same width (shared/peers/maxtext-tpu copied into .peer/ and carried), its steps -> "peer";
 #   bash benchmarks/tpu.sh ab       `moebalance ab deepseek4-tiny` on the chip -> "ab".
@@ -26,14 +29,17 @@ set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/tpu}  # run.sh of the peer writes its log there too
 MODE=${1:-step}
-REMAT=${REMAT:-full}
 mkdir -p "$OUT"
 RECORD=$OUT/tpu-v5e.json
-[ -f benchmarks/results/tpu-v5e.json ] && [ ! -f "$RECORD" ] && cp benchmarks/results/tpu-v5e.json "$RECORD"
+if [ -f benchmarks/results/tpu-v5e.json ] && [ ! -f "$RECORD" ]; then
+    cp benchmarks/results/tpu-v5e.json "$RECORD"
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 D1024=benchmarks/configs/deepseek4-d1024.yml
+BF16="weight_dtype=bfloat16 remat_policy=full"  # fp32 weights + AdamW: 16.7 GiB of state alone
 NOTES="benchmarks/tpu.sh"
-PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain|tokenizers"
+PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain"
+PACKAGES="$PACKAGES|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"
 PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-compile --no-cache-dir"
 
@@ -65,15 +71,19 @@ python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__versi
 
 case "$MODE" in
 step)
-    part 220 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
-        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" weight_dtype=bfloat16 \
-        "remat_policy=$REMAT"
+    part 200 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16 \
+        gradient_accumulation_steps=4
+    part 200 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 8 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16
     part 120 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
-        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" weight_dtype=bfloat16 \
-        remat_policy=full
-    part 150 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 8 \
-        --seq 2048 --steps 1 --top 25 weight_dtype=bfloat16 "remat_policy=$REMAT"
-    cat "$OUT/d1024.json" "$OUT/profile-d1024.json"
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16
+    cat "$OUT/d1024.json"
+    ;;
+profile)
+    part 300 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 2 \
+        --seq 2048 --steps 1 --top 25 $BF16 gradient_accumulation_steps=4
+    cat "$OUT/profile-d1024.json"
     ;;
 peer)
     if [ -f .peer/maxtext-tpu/run.sh ]; then
@@ -89,7 +99,7 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|peer|ab]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|profile|peer|ab]" >&2
     exit 2
     ;;
 esac
