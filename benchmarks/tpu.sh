@@ -10,7 +10,7 @@
 #     remat, each a run of the record (model_step.py --record) and its JSON line in
 #     $OUT/d1024.json, in the order of what XLA's memory analysis compiled on the CPU says
 #     (benchmarks/aot_memory.py, docs/performance.md):
-#     1. 4 x (2 x 2048) = 16,384 tokens by gradient accumulation (expected to fit; not compiled),
+#     1. 4 x (2 x 2048) = 16,384 tokens by gradient accumulation (15.22 of 15.75 GiB by XLA),
 #     2. 8 x 2048 in one micro-batch (XLA's heap peak 14.06 GiB fits, its arguments + temporary
 #        block 17.28 GiB do not: the device peak or the failure says which the chip follows),
 #     3. 2 x 2048 (the run of 2026-12-05, 0.511 s, 15.1 GiB, before the step donated its state);
