@@ -35,15 +35,7 @@ NOTES="benchmarks/accelerator.sh; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLI
 PACKAGES="jax|jaxlib|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf|setuptools"
 
-log() { tee -a "$OUT/log.txt"; }
-
-part() {  # part SECONDS NAME COMMAND...: under a time limit; stdout to $OUT/NAME.json
-    local limit=$1 name=$2 start=$SECONDS
-    shift 2
-    echo "== $name: $* (limit ${limit} s)" | log
-    timeout "$limit" "$@" > "$OUT/$name.json" 2>> "$OUT/log.txt"
-    echo "== $name: exit $? after $((SECONDS - start)) s" | log
-}
+. benchmarks/parts.sh  # log, part
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -43,15 +43,7 @@ PACKAGES="$PACKAGES|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"
 PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-compile --no-cache-dir"
 
-log() { tee -a "$OUT/log.txt"; }
-
-part() {  # part SECONDS NAME COMMAND...: under a time limit; stdout to $OUT/NAME.json
-    local limit=$1 name=$2 start=$SECONDS
-    shift 2
-    echo "== $name: $* (limit ${limit} s)" | log
-    timeout "$limit" "$@" >> "$OUT/$name.json" 2>> "$OUT/log.txt"
-    echo "== $name: exit $? after $((SECONDS - start)) s" | log
-}
+. benchmarks/parts.sh  # log, part
 
 # the large packages from the machine's index, the rest from .whl-tpu (all without dependencies:
 # nothing may replace the machine's JAX)

@@ -156,8 +156,21 @@ def test_peer_and_ab_parts_join_the_record_that_model_step_appends_to(tpu_record
 
 
 def test_tpu_scripts_parse():
-    for script in ("tpu.sh", "tpu_wheels.sh"):
+    for script in ("tpu.sh", "tpu_wheels.sh", "accelerator.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
+
+
+def test_a_part_keeps_its_output_and_its_limit(tmp_path):
+    """parts.sh: a part's stdout is appended to OUT/NAME.json, its stderr and exit go to the log,
+    and a part past its limit is stopped (exit 124) without stopping the script."""
+    script = ("set -u; . benchmarks/parts.sh; part 5 fast echo '{\"a\": 1}'; "
+              "part 5 fast sh -c 'echo more; echo oops >&2'; part 1 slow sleep 5; echo after")
+    run = subprocess.run(["bash", "-c", script], cwd=ROOT, env={"OUT": str(tmp_path), "PATH":
+                         "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    assert run.stdout.splitlines()[-1] == "after"
+    assert (tmp_path / "fast.json").read_text() == '{"a": 1}\nmore\n'
+    log = (tmp_path / "log.txt").read_text()
+    assert "oops" in log and "== fast: exit 0 after" in log and "== slow: exit 124 after" in log
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
