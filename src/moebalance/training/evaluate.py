@@ -45,7 +45,7 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     if batches is None:
         per_batch = cfg.gradient_accumulation_steps * source.global_batch
         batches = max(1, source.num_rows // per_batch) if source.num_rows else 4
-    model, optimizer = build(cfg, mesh, source)  # hash tables too come from the checkpoint
+    model, optimizer = build(cfg, mesh, restoring=True)  # the hash tables come from it too
     step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
 

@@ -30,7 +30,7 @@ from flax import nnx
 from moebalance import data
 from moebalance.config import Config
 from moebalance.metrics import STAT_NAMES, load_stats, rank_loads
-from moebalance.model.transformer import DeepSeekV4, routed_layers
+from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables, routed_layers
 from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, sharding
@@ -204,10 +204,12 @@ def _hash_tables(cfg: Config, train_data) -> list | None:
                              "balanced", token_counts=counts)] * cfg.first_num_hash_layers
 
 
-def build(cfg: Config, mesh, train_data=None):
-    """Model and optimizer, placed on the mesh."""
-    model = DeepSeekV4(cfg, hash_tables=_hash_tables(cfg, train_data or data.batches(cfg)),
-                       rngs=nnx.Rngs(cfg.seed))
+def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False):
+    """Model and optimizer, placed on the mesh. `restoring`: a checkpoint will supply every
+    variable, the hash tables too, so none is built from the data."""
+    tables = (placeholder_hash_tables(cfg) if restoring
+              else _hash_tables(cfg, train_data or data.batches(cfg)))
+    model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
     optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
     sharding.shard(model, mesh)
     sharding.shard(optimizer, mesh)
