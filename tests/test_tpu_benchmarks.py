@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import types
 
 import pytest
@@ -96,12 +97,16 @@ def test_a_step_the_chip_cannot_hold_is_read_from_the_compilers_refusal(aot):
     assert aot.refusal("INTERNAL: Mosaic failed to compile TPU kernel") is None
 
 
-def test_the_smoke_step_compiled_for_the_cpu(aot):
-    """The whole script on this machine's CPU: the trainer's step of a two-layer deepseek4-smoke
-    (2 micro-batches of 2 x 32 tokens), its memory, its largest buffers at the peak, the plan."""
-    out = aot.analyse("deepseek4-smoke", ["base_num_decoder_layers=2", "compress_ratios=[0,4]",
-                                          "first_num_hash_layers=1", "gradient_accumulation_steps=2",
-                                          "remat_policy=minimal"], "cpu", batch=2, seq=32, top=5)
+def test_the_smoke_step_compiled_for_the_cpu():
+    """The whole script on this machine's CPU, in a process of its own (its compiler dump options
+    stay there): the trainer's step of a two-layer deepseek4-smoke (2 micro-batches of 2 x 32
+    tokens), its memory, its largest buffers at the peak, the plan."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "aot_memory.py"),
+                          "deepseek4-smoke", "base_num_decoder_layers=2", "compress_ratios=[0,4]",
+                          "first_num_hash_layers=1", "gradient_accumulation_steps=2",
+                          "remat_policy=minimal", "--topology", "cpu", "--batch", "2", "--seq",
+                          "32", "--top", "5"], capture_output=True, text=True, check=True)
+    out = json.loads(run.stdout)
     memory = out["memory_gib"]
     assert out["tokens_per_step"] == 128 and out["remat"] == "minimal"
     assert memory["argument"] > 0 and memory["temp"] > 0
