@@ -231,9 +231,9 @@ def donated_arguments(platform: str) -> tuple[int, ...]:
     """The train step's arguments whose buffers it takes over on `platform`: the model and the
     optimizer on accelerators, where the step's new state then takes their place instead of a
     second copy of it (d1024 at 2 x 2048 on a TPU v5e, bf16 weights: 7.0 of the 14.8 GiB XLA
-    planned without it; docs/performance.md). None on the CPU: XLA's CPU compiler crashed
-    (segmentation fault) compiling the donating step twice in the test suite (2026-12-06), and
-    host memory is not what limits a CPU run."""
+    planned without it; docs/performance.md). None on the CPU, where host memory is not what
+    limits a run; it was turned off there while a worker segfault in XLA's CPU compile was chased
+    (2026-12-06), which went on without donation, so donation was not shown to cause it."""
     return () if platform == "cpu" else (0, 1)
 
 
