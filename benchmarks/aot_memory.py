@@ -1,12 +1,11 @@
 """XLA's memory plan of a config's training step compiled for a TPU topology on this machine: no
 chip, no device time.
 
-The step is the trainer's own (`step.lower_train_step`: forward, losses, backward over the
-micro-batches, AdamW, bias update), traced on an abstract model and optimizer (`nnx.eval_shape`)
-whose variables carry the trainer's shardings on a mesh of the topology's devices
-(`jax.experimental.topologies.get_topology_desc`, which needs `libtpu` importable, e.g.
-`pip install --target /tmp/libtpu "libtpu==0.0.42.*"` and PYTHONPATH=/tmp/libtpu for this
-process only), lowered and compiled by the TPU compiler. Prints one JSON object:
+The compilation is `moebalance plan --compile`'s (training/compiled.py: the trainer's own step on
+an abstract model and optimizer sharded on a mesh of the topology's devices, which needs `libtpu`
+importable, e.g. `pip install --target /tmp/libtpu "libtpu==0.0.42.*"` and PYTHONPATH=/tmp/libtpu
+for this process only); this script adds what the compiler's dump says of its peak. Prints one
+JSON object:
 
     memory_gib   XLA's `memory_analysis()` of the compiled step per device: argument, output,
                  alias (outputs sharing an argument's buffer), temp (every other buffer: the
@@ -23,9 +22,9 @@ A step the chip cannot hold is refused by the compiler: then `memory_gib` is the
 said the step needs (`temp`) and its message (`refused`).
     compile_s    lowering + compilation
 
-The model is traced as on the chip: `jax.default_backend()` reads "tpu" meanwhile, so every choice
-the code makes by backend (`moe_dispatch` / `moe_kernel` auto, a Pallas kernel's interpret mode)
-is the chip's. `--topology cpu` compiles for this machine's CPU instead (what the tests run).
+The model is traced as on the chip: the mesh's devices are the topology's, so every choice the
+code makes by platform (`moe_dispatch` / `moe_kernel` auto, a Pallas kernel's interpret mode) is
+the chip's. `--topology cpu` compiles for this machine's CPU instead (what the tests run).
 Gradient accumulation:
 `gradient_accumulation_steps=A` runs A micro-batches of `--batch` rows each per step.
 
@@ -36,73 +35,16 @@ Gradient accumulation:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import re
 import tempfile
-import time
 from pathlib import Path
-from unittest import mock
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
 
 from moebalance.config import load_config
-from moebalance.model.moe import resolve_dispatch
-from moebalance.training import plan, sharding
-from moebalance.training.step import lower_train_step
-
-GIB = 2**30
-
-
-def topology_devices(name: str) -> list:
-    """The devices of a one-host TPU topology such as `v5e:1x1` or `v5e:2x2`, as abstract
-    devices of the TPU compiler (needs libtpu, not a chip); `cpu`: this machine's CPU device."""
-    from jax.experimental import topologies
-
-    if name == "cpu":
-        return jax.devices("cpu")[:1]
-    dims = tuple(int(d) for d in name.split(":")[1].split("x"))
-    bounds = (dims + (1, 1))[:3]  # one host holds the whole topology
-    return topologies.get_topology_desc(platform="tpu", topology_name=name,
-                                        chip_config_name="default", chips_per_host_bounds=bounds,
-                                        num_slices=1, wrap=(False, False, False)).devices
-
-
-def place_abstract(obj, mesh) -> None:
-    """Give every variable of an abstract (`nnx.eval_shape`) model or optimizer the trainer's
-    sharding on `mesh` (`sharding.variable_sharding`), in place: what `sharding.shard` does to
-    real arrays."""
-    def place(path, variable):
-        return variable.replace(jax.ShapeDtypeStruct(
-            variable.shape, variable.dtype,
-            sharding=sharding.variable_sharding(path, variable, mesh)))
-
-    nnx.update(obj, jax.tree_util.tree_map_with_path(
-        place, nnx.state(obj), is_leaf=lambda x: isinstance(x, nnx.Variable)))
-
-
-def memory_gib(stats) -> dict:
-    """XLA's CompiledMemoryStats in GiB, with `needed` = argument + output - alias + temp."""
-    fields = ("argument", "output", "alias", "temp", "generated_code")
-    out = {f: getattr(stats, f"{f}_size_in_bytes") / GIB for f in fields}
-    out["needed"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    out["peak"] = stats.peak_memory_in_bytes / GIB
-    return {k: round(v, 3) for k, v in out.items()}
-
-
-REFUSED = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
-
-
-def refusal(message: str) -> dict | None:
-    """What a compiler that refused the step for want of memory said ("RESOURCE_EXHAUSTED: ...
-    the total memory required for HLO temporaries (49.45G) exceeds available HBM (15.75G)"):
-    {"temp": GiB (XLA's G are GiB), "refused": its first line}; None for any other error."""
-    match = REFUSED.search(message) if "RESOURCE_EXHAUSTED" in message else None
-    return {"temp": float(match[1]), "refused": message.strip().splitlines()[0]} if match else None
-
+from moebalance.training import compiled, plan
+from moebalance.training.plan import GIB
 
 PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
 PEAK_LINE = re.compile(r"^\s*(\S+?)(\{[\d,]*\}): (\d+) bytes")
@@ -180,50 +122,20 @@ def peak_buffers(live_range: str, hlo: str, top: int) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def as_backend(name: str):
-    """`jax.default_backend()` returns `name` inside: code that picks by backend picks as there."""
-    with mock.patch.object(jax, "default_backend", lambda: name):
-        yield
-
-
-def compile_step(cfg, devices, batch: int, seq: int, dump: Path):
-    """Lower and compile the trainer's step of `cfg` for `devices` (abstract TPU devices) on
-    [A, batch, seq] tokens, dumping the compiler's files into `dump`."""
-    mesh = sharding.make_mesh(cfg, devices)
-    model = plan.abstract_model(cfg)
-    optimizer = plan.abstract_optimizer(cfg, model)
-    place_abstract(model, mesh)
-    place_abstract(optimizer, mesh)
-    a = cfg.gradient_accumulation_steps
-    rows = sharding.batch_sharding(mesh, 3)
-    batch_args = [jax.ShapeDtypeStruct((a, batch, seq + length), dtype, sharding=rows)
-                  for length, dtype in ((1, jnp.int32), (0, jnp.bool_), (0, jnp.int32))]
-    lowered = lower_train_step(cfg, model, optimizer, *batch_args, mesh)
-    return lowered.compile({"xla_dump_to": str(dump), "xla_dump_hlo_as_text": True})
-
-
 def analyse(config: str, overrides: list[str], topology: str, batch: int, seq: int, top: int,
             with_plan: bool = True) -> dict:
-    devices, refused, buffers = topology_devices(topology), None, []
+    devices, buffers = compiled.topology_devices(topology), []
     cfg = load_config(config, [*overrides, f"max_target_length={seq}",
                                f"per_device_batch_size={batch // len(devices)}"])
-    with tempfile.TemporaryDirectory() as dump, as_backend(devices[0].platform):
-        start = time.perf_counter()
-        try:
-            compiled = compile_step(cfg, devices, batch, seq, Path(dump))
-        except jax.errors.JaxRuntimeError as error:
-            refused = refusal(str(error))
-            if refused is None:
-                raise
-        compile_s = time.perf_counter() - start
-        if refused is None:
+    with tempfile.TemporaryDirectory() as dump:
+        memory, compile_s, step = compiled.compiled_memory(
+            cfg, topology, {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        if step is not None:
             live_range = next(Path(dump).glob("*after_optimizations-live-range.txt")).read_text()
-            buffers = peak_buffers(live_range, compiled.as_text(), top)
-        # the planner traces the GPUs' layout for `auto`: give it the one compiled here
-        traced = dataclasses.replace(cfg, moe_dispatch=resolve_dispatch(cfg.moe_dispatch))
-        planned = plan.plan(traced, len(devices)) if with_plan else None
-    memory = refused or memory_gib(compiled.memory_analysis())
+            buffers = peak_buffers(live_range, step.as_text(), top)
+    # the planner traces the GPUs' layout for `auto`: give it the one compiled here
+    planned = plan.plan(compiled.traced_layout(cfg, devices), len(devices)) if with_plan else None
+    memory = {k: round(v / GIB, 3) if isinstance(v, int) else v for k, v in memory.items()}
     out = {"config": config, "overrides": overrides, "topology": topology,
            "device": devices[0].device_kind, "jax": jax.__version__,
            "tokens_per_step": cfg.gradient_accumulation_steps * batch * seq,
@@ -236,7 +148,7 @@ def analyse(config: str, overrides: list[str], topology: str, batch: int, seq: i
         total = planned.total(cfg.remat_policy) / GIB
         out["plan_gib"] = {"total": round(total, 3),
                            "activations": round(planned.activations[cfg.remat_policy] / GIB, 3)}
-        if not refused:
+        if step is not None:
             out["plan_gib"].update({"plan / needed": round(total / memory["needed"], 3),
                                     "plan / peak": round(total / memory["peak"], 3)})
     return out

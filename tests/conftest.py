@@ -7,7 +7,8 @@ file is read) and by the tests' own subprocesses:
   (not with --device-tests: an accelerator's compiler runs as it does in training);
 - `--device-tests`: only the numerics tests (marker `numerics`: the files in NUMERICS), for a run
   on an accelerator in one process (`-n 0`); `tolerance()` widens their float tolerances there;
-- `moebalance_logger`, for the tests that run cli.main.
+- `moebalance_logger`, for the tests that run cli.main;
+- after each module, the compiled programs released (`release_compiled_programs`).
 """
 
 import logging
@@ -74,3 +75,37 @@ def moebalance_logger():
     saved = log.handlers[:], log.propagate, log.level
     yield log
     log.handlers[:], log.propagate, log.level = saved
+
+
+def _memory_mappings() -> int | None:
+    """This process's memory mappings (Linux), or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+MAPPINGS_PER_MODULE = 40_000  # of the kernel's default 65,530 per process (vm.max_map_count)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """After each test module, JAX's compiled programs are dropped and collected. Each program
+    compiled for the CPU keeps its machine code in memory mappings of its own (three per
+    object) until it is freed; a pytest worker that kept every program of its ~300 tests passed
+    the kernel's limit of 65,530 mappings a process, and the next compilation aborted without a
+    message (CI, 2026-12-06; test_train_step.py alone leaves ~24,000). A module that alone comes
+    near the limit fails here, named, instead."""
+    import gc
+
+    import jax
+
+    yield
+    used = _memory_mappings()
+    jax.clear_caches()
+    gc.collect()
+    if used is not None and used > MAPPINGS_PER_MODULE:
+        pytest.fail(f"this module left {used:,} memory mappings (over {MAPPINGS_PER_MODULE:,} of "
+                    "the kernel's 65,530): release compiled programs within it "
+                    "(jax.clear_caches) or split it")

@@ -89,10 +89,13 @@ def _plan(args) -> int:
     from moebalance.config import load_config
     from moebalance.training.plan import GIB, plan
 
-    result = plan(load_config(args.config, args.overrides), args.devices, args.device_memory,
-                  args.devices_per_host)
+    cfg, compiled = load_config(args.config, args.overrides), None
+    if args.compile:
+        compiled = _compile_for_plan(cfg, args)
+        cfg = compiled.pop("traced")
+    result = plan(cfg, args.devices, args.device_memory, args.devices_per_host)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **({"compiled": compiled} if compiled else {})}))
         return 0
     mesh = " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
     unit, scale = ("GiB", GIB) if result.total("none") >= GIB else ("MiB", 2**20)
@@ -115,7 +118,44 @@ def _plan(args) -> int:
     Console().print(table)
     print(f"largest block's residuals: {result.block / scale:,.2f} {unit}; all-to-all pairs "
           f"across hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")
+    if compiled:
+        _print_compiled(compiled, result.total(cfg.remat_policy), args.device_memory, unit, scale)
     return 0
+
+
+def _compile_for_plan(cfg, args) -> dict:
+    """plan --compile: XLA's memory of the step compiled for the topology (training/compiled)."""
+    from moebalance.config import ConfigError
+    from moebalance.training import compiled
+
+    devices = compiled.topology_devices(args.compile)
+    if len(devices) != args.devices:
+        raise ConfigError(f"--compile {args.compile} has {len(devices)} devices, --devices says "
+                          f"{args.devices}: give --devices {len(devices)}")
+    logging.getLogger("moebalance").info(
+        "compiling the training step for %s (minutes for a large model)", args.compile)
+    memory, seconds, _ = compiled.compiled_memory(cfg, args.compile)
+    return {"topology": args.compile, "device": devices[0].device_kind, "remat": cfg.remat_policy,
+            "memory": memory, "compile_s": round(seconds, 1),
+            "traced": compiled.traced_layout(cfg, devices)}
+
+
+def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: str,
+                    scale: int) -> None:
+    memory = {k: v / scale if isinstance(v, int) else v for k, v in compiled["memory"].items()}
+    head = (f"XLA, the step compiled for {compiled['topology']} ({compiled['device']}, remat "
+            f"{compiled['remat']}) in {compiled['compile_s']:.0f} s, {unit} per device:")
+    if "refused" in memory:
+        print(f"{head} refused: its temporaries alone need {memory['temp']:,.2f}\n  "
+              f"{memory['refused']}")
+        return
+    print(f"{head} arguments {memory['argument']:,.2f} + outputs {memory['output']:,.2f} - "
+          f"aliased {memory['alias']:,.2f} + temporaries {memory['temp']:,.2f} = needed "
+          f"{memory['needed']:,.2f} (heap peak {memory['peak']:,.2f}); plan / needed "
+          f"{planned / compiled['memory']['needed']:.2f}")
+    if device_memory:
+        fits = compiled["memory"]["needed"] <= device_memory * 2**30
+        print(f"fits {device_memory:g} GiB by XLA's account: {'yes' if fits else 'no'}")
 
 
 def _convert(args) -> int:
@@ -292,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--devices-per-host", type=int, default=8,
                          help="for the share of all-to-all traffic between hosts (default 8)")
     planner.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    planner.add_argument("--compile", metavar="TOPOLOGY",
+                         help="also compile the step for a topology (v5e:1x1, v5e:2x2, ...: needs "
+                              "libtpu, not a chip; or cpu) and print XLA's memory of it")
     planner.set_defaults(func=_plan)
     train = sub.add_parser("train", parents=[common],
                            help="train a config; writes a run directory")

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 
+from moebalance.kernels.backend import platform
+
 TILE = 512  # contraction and output columns per tile, untuned (docs/performance.md)
 LANES = 128  # a TPU tiles an array's minor dimension in whole 128 lanes
 
@@ -55,5 +57,5 @@ def grouped_matmul(x, w, group_sizes, row_tile: int):
     tile = min(TILE, k, w.shape[2])  # one size for K and N: they swap in the input gradient
     tiling = (row_tile, tile, tile)
     y = gmm(x, w.astype(x.dtype), sizes, x.dtype, tiling,
-            interpret=jax.default_backend() != "tpu")
+            interpret=platform() != "tpu")
     return y[:m] if pad else y

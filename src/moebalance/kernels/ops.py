@@ -3,15 +3,17 @@ config key and the backend, beside the operation's plain XLA path (the reference
 
     grouped_matmul   y[i] = x[i] @ w[g(i)] over rows sorted by group: the MoE layer's experts
 
-Implementations (KERNELS; `auto` is AUTO[jax.default_backend()], the fastest measured there, or
-the XLA path where megablox does not fit the operands: megablox.fits):
+Implementations (KERNELS; `auto` is AUTO[platform()], the fastest measured there, or the XLA path
+where megablox does not fit the operands: megablox.fits):
 
     xla       ragged rows: jax.lax.ragged_dot; blocked rows: each block's weights picked by a
               one-hot matmul, then one batched matmul. Any backend.
     megablox  JAX's Pallas grouped matmul for TPUs, gmm / tgmm (megablox.py).
     pallas    Triton kernels for NVIDIA GPUs, blocked rows only (triton.py).
 
-Off its own backend a Pallas kernel runs in interpret mode: exact and slow, for the tests.
+Off its own platform a Pallas kernel runs in interpret mode: exact and slow, for the tests.
+`platform()` is the platform a program is traced for: the mesh's (`jax.set_mesh`), so a step
+compiled on the CPU for a TPU topology makes every choice as on the chip (training/compiled.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from moebalance.kernels import megablox, triton
+from moebalance.kernels.backend import platform
 
 KERNELS = ("xla", "megablox", "pallas")
 # What `auto` runs (docs/performance.md): CPU and GPU the XLA path (an H200 ran blocks at 0.42 of
@@ -32,7 +35,7 @@ def resolve(kernel: str, x: jax.Array | None = None, w: jax.Array | None = None)
     """The implementation a `moe_kernel` value runs on this backend (given the operands x and w:
     `auto` is the XLA path where megablox does not fit them)."""
     if kernel == "auto":
-        kernel = AUTO.get(jax.default_backend(), "xla")
+        kernel = AUTO.get(platform(), "xla")
         if kernel == "megablox" and x is not None and not megablox.fits(x, w):
             return "xla"
         return kernel

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from moebalance.kernels.backend import platform
+
 TILE_M, TILE_K, TILE_N = 64, 64, 128
 MIN_TILE = 16  # the smallest matmul tile Triton compiles
 NUM_WARPS, NUM_STAGES = 4, 3
@@ -55,7 +57,7 @@ def _out(like, shape, dtype):
 
 def _interpret(x) -> bool:
     """Whether the kernels run interpreted (off a GPU), which Pallas cannot do under shard_map."""
-    interpret = jax.default_backend() != "gpu"
+    interpret = platform() != "gpu"
     if interpret and jax.typeof(x).manual_axis_type.varying:
         raise NotImplementedError(
             "moe_kernel=pallas under expert parallelism runs on GPUs only (off a GPU the kernels "

@@ -28,7 +28,7 @@ from flax import nnx
 from moebalance import routing
 from moebalance.balancing import expert_counts
 from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Config
-from moebalance.kernels import grouped_matmul
+from moebalance.kernels import grouped_matmul, platform
 from moebalance.model.dispatch import gather_rows, plan_dispatch
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
 from moebalance.model.layers import FP32, constant, dense_init
@@ -122,7 +122,7 @@ def resolve_dispatch(dispatch: str) -> str:
     """The dropless layout a `moe_dispatch` value runs on this backend: `auto` is ragged on a TPU,
     else blocked (ragged_dot is 25x slower than blocks on an H200: docs/performance.md)."""
     if dispatch == "auto":
-        return "ragged" if jax.default_backend() == "tpu" else "blocked"
+        return "ragged" if platform() == "tpu" else "blocked"
     return dispatch
 
 

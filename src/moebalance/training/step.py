@@ -182,8 +182,8 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     """-> step(model, optimizer, tokens [A, B, S+1], mask [A, B, S], segment_ids [A, B, S])
     returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E]).
     With a multi-device `mesh` the routed experts run per device (expert parallelism). A step
-    updates model and optimizer in place; on an accelerator it donates their previous arrays
-    (deleted after it: copy any you want to keep, e.g. with np.asarray, before the step).
+    updates model and optimizer in place and donates their previous arrays (deleted after it:
+    copy any you want to keep, e.g. with np.asarray, before the step).
 
     program: the config the step is compiled for (default `cfg`); `cfg` may differ from it in
     SWITCHES only, whose values it passes at run time: with program = Run B's config, Run A runs
@@ -227,24 +227,16 @@ def _check_switchable(cfg: Config, program: Config) -> None:
                          "differ (a shared step switches the bias off and reweights its losses)")
 
 
-def donated_arguments(platform: str) -> tuple[int, ...]:
-    """The train step's arguments whose buffers it takes over on `platform`: the model and the
-    optimizer on accelerators, where the step's new state then takes their place instead of a
-    second copy of it (d1024 at 2 x 2048 on a TPU v5e, bf16 weights: 7.0 of the 14.8 GiB XLA
-    planned without it; docs/performance.md). None on the CPU, where host memory is not what
-    limits a run; it was turned off there while a worker segfault in XLA's CPU compile was chased
-    (2026-12-06), which went on without donation, so donation was not shown to cause it."""
-    return () if platform == "cpu" else (0, 1)
-
-
 @functools.cache
 def _train_step(program_key: str, routed: tuple[int, ...], mesh):
     """The jitted step of a program (one per program, mesh and model layout: jax.jit's cache)."""
     cfg = Config(**json.loads(program_key))
     routed = list(routed)
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
-    @nnx.jit(donate_argnums=donated_arguments(platform))
+    # The model's and optimizer's buffers are donated: the step's new state takes their place
+    # instead of a second copy of it (d1024 at 2 x 2048 on a TPU v5e, bf16 weights: 7.0 of the
+    # 14.8 GiB XLA planned without it; docs/performance.md)
+    @nnx.jit(donate_argnums=(0, 1))
     def step(model, optimizer, tokens, mask, segment_ids, values):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 

@@ -1,0 +1,91 @@
+"""training/compiled.py (`moebalance plan --compile`): XLA's memory of the trainer's step compiled
+ahead of time, its arithmetic, the compiler's refusal, the topology names, and the compiled
+arguments against the planner's independent count of the state; kernels.platform, by which a
+step compiled for a TPU topology makes the chip's choices."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from moebalance import cli, kernels
+from moebalance.config import ConfigError, load_config
+from moebalance.training import compiled, plan
+from moebalance.training.step import switches
+
+GIB = 2**30
+
+
+def test_needed_is_what_the_device_holds_at_once():
+    stats = types.SimpleNamespace(argument_size_in_bytes=8 * GIB, output_size_in_bytes=8 * GIB,
+                                  alias_size_in_bytes=6 * GIB, temp_size_in_bytes=3 * GIB,
+                                  generated_code_size_in_bytes=GIB // 4,
+                                  peak_memory_in_bytes=int(13.5 * GIB))
+    assert compiled.memory_bytes(stats) == {
+        "argument": 8 * GIB, "output": 8 * GIB, "alias": 6 * GIB, "temp": 3 * GIB,
+        "generated_code": GIB // 4, "needed": 13 * GIB, "peak": int(13.5 * GIB)}
+
+
+def test_a_step_the_chip_cannot_hold_is_read_from_the_compilers_refusal():
+    message = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+               "temporaries (49.45G) exceeds available HBM (15.75G).\nmore detail")
+    assert compiled.refusal(message) == {"temp": round(49.45 * GIB),
+                                         "refused": message.splitlines()[0]}
+    assert compiled.refusal("INTERNAL: Mosaic failed to compile TPU kernel") is None
+    assert compiled.refusal("RESOURCE_EXHAUSTED: host memory") is None
+
+
+@pytest.mark.parametrize("name", ["v5e", "tpu:1x1", "v5e:1", "v5e:1x1x1x1", "cpu:1"])
+def test_a_topology_that_is_not_one_is_refused_with_the_fix(name):
+    with pytest.raises(ConfigError, match="unknown topology.*v5e:1x1"):
+        compiled.topology_devices(name)
+
+
+def test_the_platform_is_the_meshs_not_the_default_backends(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert kernels.platform() == "tpu"  # no mesh: the backend
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), devices=jax.devices("cpu")[:1])):
+        assert kernels.platform() == "cpu"
+        assert kernels.resolve("auto") == "xla"
+
+
+SMOKE = ["base_num_decoder_layers=2", "compress_ratios=[0,4]", "first_num_hash_layers=1",
+         "max_target_length=32", "per_device_batch_size=2", "gradient_accumulation_steps=2"]
+
+
+def test_the_compiled_arguments_are_the_planned_state_and_the_batch():
+    """XLA's argument bytes = the planner's parameters + optimizer (counted from the abstract
+    model, not from the compiled program) + the batch + those of the step's switch scalars the
+    program reads (jit drops unused arguments: the smoke config computes no balance loss)."""
+    cfg = load_config("deepseek4-smoke", SMOKE)
+    memory, seconds, step = compiled.compiled_memory(cfg, "cpu")
+    planned = plan.plan(cfg, 1)
+    batch = 2 * 2 * (33 * 4 + 32 * 1 + 32 * 4)  # tokens int32, mask bool, segment ids int32
+    scalars = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+                  for x in jax.tree.leaves(jax.eval_shape(lambda: switches(cfg))))
+    state = planned.parameters + planned.optimizer
+    assert 0 <= memory["argument"] - (state + batch) <= scalars
+    assert memory["needed"] == (memory["argument"] + memory["output"] - memory["alias"]
+                                + memory["temp"])
+    # the step donates the model and optimizer: each new array is written into the old one's
+    # buffer (the optimizer's step count, 4 bytes, may be a fresh scalar)
+    assert state - 4 <= memory["alias"] <= state
+    assert seconds > 0 and step is not None
+
+
+def test_plan_compile_prints_xlas_account_beside_the_plan(capsys):
+    assert cli.main(["plan", "deepseek4-smoke", *SMOKE, "--devices", "1", "--compile", "cpu",
+                     "--device-memory", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["compiled"]["topology"] == "cpu" and out["compiled"]["memory"]["needed"] > 0
+    assert cli.main(["plan", "deepseek4-smoke", *SMOKE, "--devices", "1", "--compile", "cpu",
+                     "--device-memory", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "XLA, the step compiled for cpu" in text and "fits 1 GiB by XLA's account: yes" in text
+    assert cli.main(["plan", "deepseek4-smoke", "--devices", "2", "--compile", "cpu"]) == 2
+    assert "--compile cpu has 1 devices, --devices says 2: give --devices 1" in (
+        capsys.readouterr().err)
