@@ -4,6 +4,7 @@ TPUs compute a float32 dot at the default precision as one bfloat16 pass; the ro
 and the hyper-connection maps (model/layers.FP32) must not inherit that. Checked on the program
 JAX hands to XLA, so on a CPU: every dot_general of the training loss's gradient, by the named
 scope it comes from (`route`, `mhc`), carries precision HIGHEST, and no bfloat16 matmul does.
+The attention's dots, in turn, take operands in the compute dtype.
 """
 
 import re
@@ -36,7 +37,9 @@ def dots(fn, *args) -> list[tuple[str, tuple[str, str], str]]:
     return found
 
 
-def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default():
+def loss_dots(gradient: bool = True) -> list[tuple[str, tuple[str, str], str]]:
+    """dots() of the training loss's gradient (forward and backward), or of the loss alone, of
+    deepseek4-smoke in bfloat16 (sliding-window and CSA layers) with both routing losses on."""
     cfg = load_config("deepseek4-smoke", {"max_target_length": 16, "dtype": "bfloat16",
                                           "load_balance_loss_weight": 1e-2,
                                           "router_z_loss_weight": 1e-3})
@@ -50,7 +53,11 @@ def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default
         model = nnx.merge(graphdef, params, rest)
         return losses(cfg, model, tokens, mask, segments, routed)[0]
 
-    found = dots(jax.grad(loss), params)  # forward and backward
+    return dots(jax.grad(loss) if gradient else loss, params)
+
+
+def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default():
+    found = loss_dots()
     routing = [d for d in found if ROUTING_SCOPES.search(d[2])]
     # the router (forward, its two backward dots) and every hyper-connection einsum are there
     assert {"route/dot_general", "transpose(jvp(route))/dot_general"} <= {
@@ -63,3 +70,18 @@ def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default
     bf16 = [d for d in found if "bf16" in d[1]]
     assert len(bf16) > 50  # the experts', shared experts' and attention's matmuls
     assert all(d[0] == "DEFAULT" for d in bf16), [d for d in bf16 if d[0] != "DEFAULT"]
+
+
+# the attention's logits and its probabilities times values: sliding window, CSA's chosen entries
+ATTENTION = ("bcqhd,bckd->bhcqk", "bcqhk,bckd->bcqhd", "bshd,bskd->bhsk", "bhsk,bskd->bshd")
+
+
+def test_attention_dots_take_the_compute_dtype():
+    """The attention's forward dots multiply bfloat16 operands, accumulating in float32 (their
+    results feed a float32 softmax), as a TPU computes float32 operands at the default precision
+    anyway: no float32 copy of the keys or of CSA's gathered entries is made or kept for the
+    backward. (The backward's cotangents are float32, JAX's transpose of a float32 result.)"""
+    found = loss_dots(gradient=False)
+    for spec in ATTENTION:
+        mine = [d for d in found if f"/{spec}/" in d[2]]
+        assert mine and all(d[1] == ("bf16", "bf16") for d in mine), (spec, mine)

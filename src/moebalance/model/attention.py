@@ -89,8 +89,9 @@ def _with_previous(chunks: jax.Array, fill) -> jax.Array:
 @jax.named_scope("window")
 def _window_part(q, kv, segment_ids, window: int, scale: float):
     """Sliding-window logits, computed per chunk of `window` queries against that chunk and the
-    one before (the only keys a window can reach): q [B, S, H, hd], kv [B, S, hd] ->
-    (logits [B, H, S, 2W] with invisible keys at NEG_INF, probs [B, H, S, 2W] -> [B, S, H, hd])."""
+    one before (the only keys a window can reach): q [B, S, H, hd], kv [B, S, hd] in the
+    compute dtype -> (logits [B, H, S, 2W] float32 with invisible keys at NEG_INF,
+    probs [B, H, S, 2W] -> [B, S, H, hd] float32)."""
     b, s, h, _ = q.shape
     w = window
     qc = _chunks(q, w, 0.0)  # [B, C, W, H, hd]
@@ -100,14 +101,15 @@ def _window_part(q, kv, segment_ids, window: int, scale: float):
     offset = jnp.arange(w)[:, None] + w - jnp.arange(2 * w)[None, :]  # t - j within a chunk pair
     visible = ((offset >= 0) & (offset < w))[None, None] & (
         seg_q[..., :, None] == seg_k[..., None, :])  # [B, C, W, 2W]
-    logits = jnp.einsum("bcqhd,bckd->bhcqk", qc, keys) * scale
+    logits = jnp.einsum("bcqhd,bckd->bhcqk", qc, keys, preferred_element_type=jnp.float32) * scale
     logits = jnp.where(visible[:, None], logits, NEG_INF)
     logits = logits.reshape(b, h, -1, 2 * w)[:, :, :s]  # [B, H, S, 2W]
 
     @jax.named_scope("window")
     def combine(probs):
-        p = _chunks(probs.transpose(0, 2, 1, 3), w, 0.0)  # [B, C, W, H, 2W]
-        return jnp.einsum("bcqhk,bckd->bcqhd", p, keys).reshape(b, -1, h, kv.shape[-1])[:, :s]
+        p = _chunks(probs.transpose(0, 2, 1, 3).astype(kv.dtype), w, 0.0)  # [B, C, W, H, 2W]
+        return jnp.einsum("bcqhk,bckd->bcqhd", p, keys, preferred_element_type=jnp.float32).reshape(
+            b, -1, h, kv.shape[-1])[:, :s]
 
     return logits, combine
 
@@ -192,11 +194,13 @@ class Indexer(nnx.Module):
 
 
 def dense_part(q, keys, visible, scale: float):
-    """Attention logits of queries q [B, S, H, hd] over all of keys [B, n, hd] (visible [B, S, n],
-    the others at NEG_INF) -> (logits [B, H, S, n], probs [B, H, S, n] -> [B, S, H, hd])."""
-    logits = jnp.einsum("bshd,bnd->bhsn", q, keys) * scale
+    """Attention logits of queries q [B, S, H, hd] over all of keys [B, n, hd] (both in the
+    compute dtype; visible [B, S, n], the others at NEG_INF) -> (logits [B, H, S, n] float32,
+    probs [B, H, S, n] -> [B, S, H, hd] float32)."""
+    logits = jnp.einsum("bshd,bnd->bhsn", q, keys, preferred_element_type=jnp.float32) * scale
     return (jnp.where(visible[:, None], logits, NEG_INF),
-            lambda p: jnp.einsum("bhsn,bnd->bshd", p, keys))
+            lambda p: jnp.einsum("bhsn,bnd->bshd", p.astype(keys.dtype), keys,
+                                 preferred_element_type=jnp.float32))
 
 
 class Attention(nnx.Module):
@@ -241,30 +245,39 @@ class Attention(nnx.Module):
 
     def queries(self, x, cos, sin):
         """x [B, S, D] in the compute dtype -> (qr [B, S, q_lora], the indexer's input too;
-        q [B, S, H, hd] float32, each head RMS-normalised, RoPE'd)."""
+        q [B, S, H, hd] in the compute dtype, each head RMS-normalised and RoPE'd in float32).
+
+        The attention's operands (q, keys, entries, probabilities) are in the compute dtype and
+        its dots accumulate in float32, as a TPU computes float32 operands at its default
+        precision anyway (rounded to bfloat16): with bfloat16 compute this halves what is stored
+        and moved, e.g. the CSA layers' gathered [B, S, k, hd] entries."""
         c = self.dims
         dt = x.dtype
         qr = self.q_norm(x @ self.wq_a[...].astype(dt))  # [B, S, q_lora]
         q = (qr @ self.wq_b[...].astype(dt)).reshape(*x.shape[:2], c.heads, c.head_dim)
-        return qr, apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None])
+        return qr, apply_rope(rms(q, c.eps), cos[:, :, None], sin[:, :, None]).astype(dt)
 
     def keys(self, x, cos, sin):
-        """x [B, S, D] in the compute dtype -> the shared key/value head [B, S, hd] float32."""
+        """x [B, S, D] in the compute dtype -> the shared key/value head [B, S, hd] in it
+        (normalised and RoPE'd in float32)."""
         return apply_rope(self.kv_norm(x @ self.wkv[...].astype(x.dtype)), cos, sin).astype(
-            jnp.float32)
+            x.dtype)
 
     def compressed_part(self, x, qr, q, cos, sin, ckv, index_keys, visible):
         """The compressed entries ckv [B, n, hd] as one attention part (logits, combine): on CSA
         layers the indexer's top-k of the visible [B, S, n] ones (scored against index_keys
         [B, n, dh]), else every visible one."""
         scale = self.dims.head_dim ** -0.5
+        ckv = ckv.astype(x.dtype)  # the entries are float32 (cached so in decoding)
         if self.indexer is None:  # HCA: every visible entry
             return dense_part(q, ckv, visible, scale)
         top, valid = self.indexer(x, qr, cos, sin, index_keys, visible)  # [B, S, k]
         entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
-        clogits = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+        clogits = jnp.einsum("bshd,bskd->bhsk", q, entries,
+                             preferred_element_type=jnp.float32) * scale
         return (jnp.where(valid[:, None], clogits, NEG_INF),
-                lambda p: jnp.einsum("bhsk,bskd->bshd", p, entries))
+                lambda p: jnp.einsum("bhsk,bskd->bshd", p.astype(entries.dtype), entries,
+                                     preferred_element_type=jnp.float32))
 
     def output(self, parts, cos, sin) -> jax.Array:
         """One softmax over the parts' logits and the sink logit, each part's probabilities

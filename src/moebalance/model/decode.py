@@ -46,7 +46,7 @@ class CompressorCache(NamedTuple):
 
 
 class LayerCache(NamedTuple):
-    window: jax.Array  # [B, W, hd] float32
+    window: jax.Array  # [B, W, hd] in the compute dtype (Attention.keys)
     compressor: CompressorCache | None  # None: no compressed entries (r = 0 or r > L)
     indexer: CompressorCache | None  # None: not a CSA layer (or r > L)
 
