@@ -12,8 +12,9 @@
 #     (benchmarks/aot_memory.py, docs/performance.md):
 #     1. 4 x (2 x 2048) = 16,384 tokens by gradient accumulation (15.22 of 15.75 GiB by XLA),
 #     2. 8 x 2048 in one micro-batch (XLA's heap peak 14.06 GiB fits, its arguments + temporary
-#        block 17.28 GiB do not: the device peak or the failure says which the chip follows),
-#     3. 2 x 2048 (the run of 2026-12-05, 0.511 s, 15.1 GiB, before the step donated its state);
+#        block 17.02 GiB do not: the device peak or the failure says which the chip follows),
+#     3. 2 x 2048 (the run of 2026-12-05, 0.511 s, 15.1 GiB, before the step donated its state;
+#        donating, XLA plans 12.83 GiB);
 #   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
 #     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
