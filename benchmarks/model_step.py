@@ -5,7 +5,8 @@ config's data (text for deepseek4-tiny; the tokenizer is built once and cached).
 line per dtype: model and data init time, compile time (first call), mean step time over the next
 `--steps` calls and the CPU seconds they took (all threads), tokens/s, the bytes of the parameters
 and optimizer state, the process's peak resident memory (ru_maxrss, compilation included) and, on
-an accelerator, the device allocator's peak (of the whole process so far).
+an accelerator, the device allocator's peak (of the whole process so far), beside what
+`moebalance plan` estimates for the config on this many devices (`plan_gb`, the config's remat).
 
 Model FLOPs per step (`model_flops`) = 6 x active parameters x tokens (`parameter_counts`: every
 matmul a token runs, the head included, the embedding lookup and unchosen experts not), less the
@@ -54,7 +55,7 @@ from moebalance.data import batches
 from moebalance.model.moe import resolve_dispatch
 from moebalance.model.transformer import DeepSeekV4, parameter_counts, placeholder_hash_tables
 from moebalance.runtime import reexec_with_hugepage_malloc
-from moebalance.training import sharding
+from moebalance.training import plan, sharding
 from moebalance.training.loop import build
 from moebalance.training.step import make_train_step
 
@@ -183,7 +184,8 @@ def record_run(result: dict, notes: str = "") -> dict:
         "tokens_per_s": result["tokens_per_s"],
         "model_tflops": float(f"{flops['total'] / result['step_s'] / 1e12:.4g}"),
         "mfu": result["mfu"], "compile_s": result["compile_s"],
-        "device_peak_gib": result["device_peak_gb"], "expert_layout": result["expert_layout"],
+        "device_peak_gib": result["device_peak_gb"], "plan_gib": result["plan_gb"],
+        "expert_layout": result["expert_layout"],
         "weight_dtype": result["weight_dtype"], "optimizer_dtype": result["optimizer_dtype"],
         "remat": result["remat"], "notes": f"{note}; {notes}" if notes else note,
     }
@@ -260,6 +262,7 @@ def bench(config, overrides, batch, seq, steps, dtype):
         "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "device_peak_gb": round(stats["peak_bytes_in_use"] / 2**30, 3)
         if stats and "peak_bytes_in_use" in stats else None,
+        "plan_gb": round(plan.plan(cfg, jax.device_count()).total(cfg.remat_policy) / 2**30, 3),
         "backend": jax.default_backend(), "device": device.device_kind,
     }
 

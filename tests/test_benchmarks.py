@@ -19,8 +19,8 @@ from moebalance.model.transformer import parameter_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_KEYS = ["config", "layers", "tokens_per_step", "step_s", "tokens_per_s", "model_tflops", "mfu",
-            "compile_s", "device_peak_gib", "expert_layout", "weight_dtype", "optimizer_dtype",
-            "remat", "notes"]
+            "compile_s", "device_peak_gib", "plan_gib", "expert_layout", "weight_dtype",
+            "optimizer_dtype", "remat", "notes"]
 
 
 def _benchmark(name: str):
@@ -112,10 +112,10 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
         "remat": "minimal", "batch": 2, "seq": 256, "accumulation": 4, "tokens_per_step": 2048,
         "step_s": step_s, "tokens_per_s": 16384.0, "compile_s": 12.5, "model_flops": flops,
         "mfu": model_step.mfu(flops["total"], step_s, "NVIDIA H200", "bfloat16"),
-        "expert_layout": model_step.expert_layout(cfg), "device_peak_gb": 1.5,
+        "expert_layout": model_step.expert_layout(cfg), "device_peak_gb": 1.5, "plan_gb": 1.7,
     }
     run = model_step.record_run(result, "a note")
-    assert list(run) == RUN_KEYS
+    assert list(run) == RUN_KEYS and (run["device_peak_gib"], run["plan_gib"]) == (1.5, 1.7)
     assert (run["tokens_per_step"], run["tokens_per_s"], run["layers"]) == (2048, 16384.0, 4)
     assert (run["weight_dtype"], run["optimizer_dtype"], run["remat"]) == ("bfloat16", "bfloat16",
                                                                            "minimal")
