@@ -129,7 +129,7 @@ def analyse(config: str, overrides: list[str], topology: str, batch: int, seq: i
                                f"per_device_batch_size={batch // len(devices)}"])
     with tempfile.TemporaryDirectory() as dump:
         memory, compile_s, step = compiled.compiled_memory(
-            cfg, topology, {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+            cfg, devices, {"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         if step is not None:
             live_range = next(Path(dump).glob("*after_optimizations-live-range.txt")).read_text()
             buffers = peak_buffers(live_range, step.as_text(), top)

@@ -62,7 +62,7 @@ def test_the_compiled_arguments_are_the_planned_state_and_the_batch():
     model, not from the compiled program) + the batch + those of the step's switch scalars the
     program reads (jit drops unused arguments: the smoke config computes no balance loss)."""
     cfg = load_config("deepseek4-smoke", SMOKE)
-    memory, seconds, step = compiled.compiled_memory(cfg, "cpu")
+    memory, seconds, step = compiled.compiled_memory(cfg, compiled.topology_devices("cpu"))
     planned = plan.plan(cfg, 1)
     batch = 2 * 2 * (33 * 4 + 32 * 1 + 32 * 4)  # tokens int32, mask bool, segment ids int32
     scalars = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))

@@ -134,7 +134,7 @@ def _compile_for_plan(cfg, args) -> dict:
                           f"{args.devices}: give --devices {len(devices)}")
     logging.getLogger("moebalance").info(
         "compiling the training step for %s (minutes for a large model)", args.compile)
-    memory, seconds, _ = compiled.compiled_memory(cfg, args.compile)
+    memory, seconds, _ = compiled.compiled_memory(cfg, devices)
     return {"topology": args.compile, "device": devices[0].device_kind, "remat": cfg.remat_policy,
             "memory": memory, "compile_s": round(seconds, 1),
             "traced": compiled.traced_layout(cfg, devices)}
@@ -142,6 +142,8 @@ def _compile_for_plan(cfg, args) -> dict:
 
 def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: str,
                     scale: int) -> None:
+    from moebalance.training.plan import GIB
+
     memory = {k: v / scale if isinstance(v, int) else v for k, v in compiled["memory"].items()}
     head = (f"XLA, the step compiled for {compiled['topology']} ({compiled['device']}, remat "
             f"{compiled['remat']}) in {compiled['compile_s']:.0f} s, {unit} per device:")
@@ -154,7 +156,7 @@ def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: st
           f"{memory['needed']:,.2f} (heap peak {memory['peak']:,.2f}); plan / needed "
           f"{planned / compiled['memory']['needed']:.2f}")
     if device_memory:
-        fits = compiled["memory"]["needed"] <= device_memory * 2**30
+        fits = compiled["memory"]["needed"] <= device_memory * GIB
         print(f"fits {device_memory:g} GiB by XLA's account: {'yes' if fits else 'no'}")
 
 

@@ -118,11 +118,10 @@ def refusal(message: str) -> dict | None:
             if match else None)
 
 
-def compiled_memory(cfg: Config, topology: str, options: dict | None = None):
-    """Compile the step of `cfg` for `topology` -> (XLA's memory in bytes (memory_bytes, or
-    refusal's dict when the compiler refused the step), seconds to lower and compile, the compiled step or
-    None). options: XLA compiler options (e.g. a dump directory)."""
-    devices = topology_devices(topology)
+def compiled_memory(cfg: Config, devices: list, options: dict | None = None):
+    """Compile the step of `cfg` for `devices` (topology_devices) -> (XLA's memory in bytes
+    (memory_bytes, or refusal's dict when the compiler refused the step), seconds to lower and
+    compile, the compiled step or None). options: XLA compiler options (e.g. a dump directory)."""
     start = time.perf_counter()
     try:
         compiled = lower_for(cfg, devices).compile(options)
