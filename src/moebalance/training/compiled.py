@@ -58,7 +58,8 @@ def topology_devices(name: str) -> list:
             chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices
     except RuntimeError as error:
         raise ConfigError(f"cannot compile for {name}: {error}. Install libtpu (pip install "
-                          "\"moebalance[tpu]\"; no chip is needed) or give --compile cpu") from error
+                          "\"moebalance[tpu]\"; no chip is needed) or give --compile cpu"
+                          ) from error
 
 
 def place_abstract(obj, mesh) -> None:
