@@ -2,16 +2,18 @@
 
 Traces one step of the trainer's step function with jax.profiler and reads the trace: on a CPU
 the XLA operations the host threads ran, on a GPU the kernels of the device's streams (each names
-the XLA operation it belongs to in its `hlo_op`). Every operation is mapped to the model
-component whose `jax.named_scope` it carries (the innermost one: embed, mhc, sinkhorn,
-attention/window/compressor/indexer/compressed, route, dispatch, experts, combine, shared, head,
-loss, balance_loss, optimizer, bias_update; `other` for the rest), forward and backward apart,
-and its matmul FLOPs are counted from the compiled HLO (dots, cuBLAS calls and fusions holding
-dots). The components are also summed into the parts of a step (`PARTS`), with the copies and
-transposes XLA adds (copy and transpose operations and fusions, whatever their scope) as a part
-of their own. Prints a table (stderr) and one JSON object (stdout): per component and part,
-milliseconds, share of the operations' time and achieved GFLOP/s, next to a dense GEMM of the
-step's dtype timed in the same run.
+the XLA operation it belongs to in its `hlo_op`), on a TPU the events of the device's `XLA Ops`
+thread (each named after its XLA operation; a loop's event spans its body's operations, which
+alone are counted). Every operation is mapped to the model component whose `jax.named_scope` it
+carries (the innermost one: embed, mhc, sinkhorn, attention/window/compressor/indexer/compressed,
+route, dispatch, experts, combine, shared, head, loss, balance_loss, optimizer, bias_update;
+`other` for the rest), forward and backward apart, and its matmul FLOPs are counted from the
+compiled HLO (dots, cuBLAS calls and fusions holding dots; a TPU's HLO writes its matmuls as
+convolutions, not counted, so no GFLOP/s there). The components are also summed into the parts of
+a step (`PARTS`), with the copies and transposes XLA adds (copy and transpose operations and
+fusions, whatever their scope) as a part of their own. Prints a table (stderr) and one JSON object
+(stdout): per component and part, milliseconds, share of the operations' time and achieved
+GFLOP/s, next to a dense GEMM of the step's dtype timed in the same run.
 
 On a GPU, XLA's command buffers (CUDA graphs) are switched off for this run
 (`--xla_gpu_enable_command_buffer=`) so that every kernel is launched, and traced, as its own
@@ -142,33 +144,61 @@ def parse_hlo(text: str):
 
 def op_times(trace: dict, ops: dict, module: str = "jit_step"):
     """Microseconds per HLO instruction of `ops` in a jax.profiler trace (trace.json), and the
-    microseconds of device events that name none of them. On a GPU (processes named
-    `/device:...`): the kernels on its `Stream #...` threads, by their `hlo_op`, those of other
-    XLA modules left out; elsewhere: the events named after an instruction."""
+    microseconds of device events that name none of them. Containers (`while`, `call`,
+    `conditional`) are left out: their time is that of the operations they hold, counted once as
+    those. On a device (processes named `/device:...`) only the XLA module `module` counts: on a
+    TPU the events of its `XLA Ops` threads, each named after its instruction, that start within
+    a run of the module on the device's `XLA Modules` thread; on a GPU the kernels on its
+    `Stream #...` threads, by the instruction each names in its `hlo_op`. Elsewhere (a CPU): the
+    events named after an instruction, whatever their thread."""
     events = trace["traceEvents"]
     processes = {e["pid"]: e["args"]["name"] for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid: name for pid, name in processes.items() if name.startswith("/device:")}
+    # the devices' threads only: a host's events at most launch the device's operations
     threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    devices = {pid for pid, name in processes.items() if name.startswith("/device:")}
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in devices}
+    if any(name.startswith("/device:TPU:") for name in devices.values()):
+        named = _tpu_ops(events, threads, module)
+    elif devices:
+        named = _gpu_kernels(events, threads, module)
+    else:
+        named = ((e["name"], e["dur"]) for e in events if e.get("ph") == "X")
     times, unmatched = collections.Counter(), 0.0
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        name = e["name"]
-        if devices:
-            if e["pid"] not in devices or not threads.get((e["pid"], e.get("tid")), "").startswith(
-                    "Stream #"):
-                continue
-            args = e.get("args", {})
-            if module not in args.get("hlo_module", args.get("hlo module", module)):
-                continue
-            name = args.get("hlo_op", "")
-        if name in ops and ops[name][0] not in CONTAINERS:
-            times[name] += e["dur"]
-        elif devices:
-            unmatched += e["dur"]
+    for name, us in named:
+        if name in ops:
+            if ops[name][0] not in CONTAINERS:
+                times[name] += us
+        elif devices:  # a host's threads run more than XLA's operations: not counted there
+            unmatched += us
     return times, unmatched
+
+
+def _on_threads(events, threads: dict, prefix: str):
+    """The complete events on the threads of `threads` whose name starts with `prefix`."""
+    return (e for e in events if e.get("ph") == "X"
+            and threads.get((e["pid"], e.get("tid")), "").startswith(prefix))
+
+
+def _tpu_ops(events, threads: dict, module: str):
+    """(instruction, us) of the events on a TPU's `XLA Ops` threads within a run of `module`.
+    A TPU's events carry no module name: the run's span on the `XLA Modules` thread of the same
+    device tells the step's operations from those of other programs."""
+    runs = collections.defaultdict(list)
+    for e in _on_threads(events, threads, "XLA Modules"):
+        if module in e["name"]:  # e.g. `jit_step(18230077167655010019)`
+            runs[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+    return ((e["name"], e["dur"]) for e in _on_threads(events, threads, "XLA Ops")
+            if any(start <= e["ts"] < end for start, end in runs[e["pid"]]))
+
+
+def _gpu_kernels(events, threads: dict, module: str):
+    """(instruction, us) of the kernels on a GPU's `Stream #...` threads, by their `hlo_op`, those
+    of other XLA modules left out (the device's `XLA Ops` line repeats them, derived)."""
+    for e in _on_threads(events, threads, "Stream #"):
+        args = e.get("args", {})
+        if module in args.get("hlo_module", args.get("hlo module", module)):
+            yield args.get("hlo_op", ""), e["dur"]
 
 
 def component(op_name: str) -> str:

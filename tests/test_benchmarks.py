@@ -4,6 +4,7 @@ attended) against plain loops, the MFU arithmetic, and the record's schema; moe_
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import importlib.util
 import json
 import math
@@ -142,7 +143,7 @@ def test_record_schema_and_append(model_step, cfg, tmp_path):
                                  **{**stack, "device": "NVIDIA H100 80GB HBM3"})
 
 
-# benchmarks/profile_step.py: reading the compiled HLO and a GPU trace, without a GPU.
+# benchmarks/profile_step.py: reading the compiled HLO and a GPU or TPU trace, without either.
 HLO = """HloModule jit_step
 
 %fused_computation.1 (param_0: bf16[8,16], param_1: bf16[16,4]) -> bf16[8,4] {
@@ -168,8 +169,8 @@ def profile_step():
     return _benchmark("profile_step")
 
 
-def _event(pid, tid, dur, name="kernel", **args):
-    return {"ph": "X", "pid": pid, "tid": tid, "ts": 0, "dur": dur, "name": name, "args": args}
+def _event(pid, tid, dur, name="kernel", ts=0, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name, "args": args}
 
 
 def test_parse_hlo_counts_cublas_calls_and_fusions(profile_step):
@@ -257,6 +258,54 @@ def test_cpu_trace_by_event_name(profile_step):
               _event(1, 4, 1, "$python frame")]
     times, unmatched = profile_step.op_times({"traceEvents": meta + events}, ops)
     assert times == {"fusion.2": 4, "copy.5": 2} and unmatched == 0
+
+
+def test_tpu_trace_by_xla_ops_event_name(profile_step):
+    # A TPU names each event of its "XLA Ops" thread after its instruction, with no module: the
+    # step's run on the "XLA Modules" thread bounds its events. A `while` (or call) event spans
+    # its body's events: only these leaves count.
+    ops, _ = profile_step.parse_hlo(LOOP_HLO)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:TPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}}]
+    meta += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}}
+             for tid, name in ((1, "Steps"), (2, "XLA Modules"), (3, "XLA Ops"))]
+    events = [_event(1, 1, 100, "0"), _event(1, 2, 100, "jit_step(1234)"),
+              _event(1, 3, 30, "while.1", ts=10),  # holds three runs of its body's dot.7
+              _event(1, 3, 5, "dot.7", ts=12), _event(1, 3, 6, "dot.7", ts=20),
+              _event(1, 3, 7, "dot.7", ts=28), _event(1, 3, 4, "dot.9", ts=50),
+              _event(1, 3, 20, "call.1", ts=60), _event(1, 3, 18, "while.3", ts=61),
+              _event(1, 3, 8, "dot.7", ts=62),  # inside while.3 inside call.1
+              _event(1, 3, 2, "fusion.99", ts=90),  # no instruction of the step
+              _event(1, 2, 50, "jit_other(5678)", ts=200),
+              _event(1, 3, 40, "dot.9", ts=210),  # another program's instruction of that name
+              _event(2, 5, 50, "dot.9", ts=50)]  # the host's side
+    times, unmatched = profile_step.op_times({"traceEvents": meta + events}, ops)
+    assert times == {"dot.7": 5 + 6 + 7 + 8, "dot.9": 4}
+    assert unmatched == 2
+
+
+TPU_FIXTURE = ROOT / "tests" / "fixtures" / "tpu-trace"
+
+
+def test_tpu_trace_slice_by_part(profile_step):
+    """A slice of a real TPU trace (the d1024 2 x 2048 step on a v5e) and the HLO lines its events
+    name, cut by tools/make_tpu_trace_fixture.py: 286 events of the "XLA Ops" thread, 0.4 ms of
+    a layer's backward (Sinkhorn, router top-k, dispatch, the grouped matmul's searchsorted
+    loops), of which 7 are `while` events: the layer loop's (100 ms, most of its body not in the
+    slice) and six searchsorted loops' (49.3425 us together, 28 body events each). The sums by
+    part below were computed from the original trace's own scopes (its events' `tf_op`), without
+    the HLO: the reader must give them, every leaf counted once and no `while`."""
+    ops, flops = profile_step.parse_hlo((TPU_FIXTURE / "step.hlo.txt").read_text())
+    trace = json.loads(gzip.decompress((TPU_FIXTURE / "trace.json.gz").read_bytes()))
+    times, unmatched = profile_step.op_times(trace, ops)
+    assert unmatched == 0 and not any(name.startswith("while.") for name in times)
+    assert sum(times.values()) == pytest.approx(371.370468)  # the 279 leaves, in us
+    assert times["gather_fusion.87"] == pytest.approx(7.578906)  # 7 runs of a loop body
+    # summarise's ms rounded to 0.1: the slice's times, in us, are given as ns to read as us
+    _, parts = profile_step.summarise({name: us * 1e3 for name, us in times.items()}, ops, flops)
+    assert {r["part"]: r["ms"] for r in parts} == {
+        "router + balancing": 246.4, "hyper-connections": 55.2, "experts": 48.7,
+        "XLA copies + transposes": 11.7, "other": 6.4, "dispatch + combine": 3.1}
 
 
 def test_vs_nemo_names_the_machine_its_ratio_was_measured_on():
