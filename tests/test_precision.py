@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moebalance.config import load_config
+from moebalance.model import decode
 from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.training.step import losses
 
@@ -37,12 +38,12 @@ def dots(fn, *args) -> list[tuple[str, tuple[str, str], str]]:
     return found
 
 
-def loss_dots(gradient: bool = True) -> list[tuple[str, tuple[str, str], str]]:
+def loss_dots(gradient: bool = True, **overrides) -> list[tuple[str, tuple[str, str], str]]:
     """dots() of the training loss's gradient (forward and backward), or of the loss alone, of
     deepseek4-smoke in bfloat16 (sliding-window and CSA layers) with both routing losses on."""
     cfg = load_config("deepseek4-smoke", {"max_target_length": 16, "dtype": "bfloat16",
                                           "load_balance_loss_weight": 1e-2,
-                                          "router_z_loss_weight": 1e-3})
+                                          "router_z_loss_weight": 1e-3, **overrides})
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     routed = routed_layers(model)
@@ -85,3 +86,36 @@ def test_attention_dots_take_the_compute_dtype():
     for spec in ATTENTION:
         mine = [d for d in found if f"/{spec}/" in d[2]]
         assert mine and all(d[1] == ("bf16", "bf16") for d in mine), (spec, mine)
+
+
+def test_a_float32_model_multiplies_in_float32_everywhere():
+    """The cause of cached decoding parting from the full pass on a TPU v5e (logits up to 2.95
+    apart, greedy tokens from the 4th on; equal to 2e-5 on the CPU): a float32 model's matmuls
+    ran at the default precision, one bfloat16 pass, so the two paths' activations, equal to
+    float32 rounding, were rounded to 8 bits, and wherever a value sat near a rounding boundary
+    the two roundings differed by 2^-8; top-k choices downstream (experts, the indexer's entries)
+    flipped. matmul_precision `auto` runs a float32 model's every dot at HIGHEST: the training
+    loss and its gradient (the cross-entropy's own backward included), the cached prefill and
+    step, and the logits. A bfloat16 model keeps the default (test above)."""
+    found = loss_dots(dtype="float32", mtp_num_layers=1)
+    assert len(found) > 100
+    assert all(d[0] == "HIGHEST" for d in found), [d for d in found if d[0] != "HIGHEST"]
+    assert any("loss" in d[2] for d in found)  # the cross-entropy's dots are among them
+    cfg = load_config("deepseek4-smoke", {"compress_ratios": [0, 0, 4, 0]})
+    model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+
+    def prefill(state):
+        return decode.prefill(nnx.merge(graphdef, state), tokens, 5)
+
+    def step(state, cache):
+        return decode.step(nnx.merge(graphdef, state), cache, tokens[:, 0])
+
+    _, cache = prefill(state)
+    decoding = dots(prefill, state) + dots(step, state, cache)
+    assert len(decoding) > 50
+    assert all(d[0] == "HIGHEST" for d in decoding), [d for d in decoding if d[0] != "HIGHEST"]
+    assert all(d[0] == "DEFAULT" for d in loss_dots(gradient=False, dtype="float32",
+                                                      matmul_precision="default")
+               if not ROUTING_SCOPES.search(d[2]))

@@ -19,6 +19,7 @@ PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
 EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (kernels/ops.py)
 REMAT_POLICIES = ("none", "full", "minimal", "save_experts")  # model/transformer.py
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")  # model/layers.matmul_precision
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
@@ -88,6 +89,9 @@ class Config:
     # --- numerics and compilation ---
     dtype: str = _key("float32", "activation dtype (router, bias, hyper-connections stay fp32)")
     weight_dtype: str = _key("float32", "parameter dtype")
+    matmul_precision: str = _key("auto", "the model's matmuls: auto (highest for a float32 "
+                                 "dtype, else default) | default (the backend's: one bfloat16 "
+                                 "pass for float32 operands on a TPU) | high | highest")
     scan_layers: bool = _key(True, "run repeated blocks under a scan (fast compile)")
     remat_policy: str = _key("none", "what each block keeps for the backward pass, the rest "
                              "recomputed: none (everything) | full (its inputs only) | minimal "
@@ -205,6 +209,8 @@ def validate(c: Config) -> None:
     _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
              f"unknown policy {c.remat_policy!r}; choose one of {REMAT_POLICIES}")
+    _require(c.matmul_precision in MATMUL_PRECISIONS, "matmul_precision",
+             f"unknown precision {c.matmul_precision!r}; choose one of {MATMUL_PRECISIONS}")
     _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
     longest = int(c.original_max_position_embeddings * c.rope_factor)
     _require(c.max_target_length <= longest, "max_target_length",

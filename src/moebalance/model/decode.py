@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moebalance.model.attention import Attention, Compressor, dense_part
-from moebalance.model.layers import rope_angles
+from moebalance.model.layers import precision_scope, rope_angles
 from moebalance.model.moe import MoE, swiglu
 from moebalance.model.transformer import DeepSeekV4, Stack
 
@@ -60,6 +60,18 @@ class Cache(NamedTuple):
 def prefill(model: DeepSeekV4, tokens: jax.Array, length) -> tuple[jax.Array, Cache]:
     """tokens [B, L] (the prompt in the first `length` >= 1 columns, then any padding) ->
     (the logits [B, V] at position length - 1, the Cache of positions 0 .. length - 1)."""
+    with precision_scope(model.matmul_precision):
+        return _prefill(model, tokens, length)
+
+
+def step(model: DeepSeekV4, cache: Cache, token: jax.Array) -> tuple[jax.Array, Cache]:
+    """token [B] at position cache.length -> (its logits [B, V], the cache with it). The cache
+    must have room: cache.length < L."""
+    with precision_scope(model.matmul_precision):
+        return _step(model, cache, token)
+
+
+def _prefill(model: DeepSeekV4, tokens, length):
     b, size = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(size), (b, size))
     segment_ids = jnp.zeros((b, size), jnp.int32)
@@ -76,9 +88,7 @@ def prefill(model: DeepSeekV4, tokens: jax.Array, length) -> tuple[jax.Array, Ca
     return _head(model, h[:, length - 1]), Cache(jnp.asarray(length, jnp.int32), caches)
 
 
-def step(model: DeepSeekV4, cache: Cache, token: jax.Array) -> tuple[jax.Array, Cache]:
-    """token [B] at position cache.length -> (its logits [B, V], the cache with it). The cache
-    must have room: cache.length < L."""
+def _step(model: DeepSeekV4, cache: Cache, token):
     t = cache.length
     tokens = token[:, None]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -14,6 +15,25 @@ from flax import nnx
 # mantissa bits), enough to swap near-tied experts; XLA's CPU computes float32 dots in float32
 # either way. Model-dtype matmuls (experts, attention) keep the backend's default.
 FP32 = jax.lax.Precision.HIGHEST
+
+
+def matmul_precision(matmul_precision: str, dtype: str) -> str | None:
+    """The precision of every other matmul of the model (config key `matmul_precision`), or None
+    for the backend's default. `auto` is `highest` for a float32 dtype: a TPU's default runs a
+    float32 matmul as one bfloat16 pass, and rounding activations to 8 bits is not the float32
+    model the user asked for; two computations of the same value (a decode step and the full
+    pass) then part wherever a tiny difference crosses a bfloat16 rounding boundary, and a flipped
+    top-k choice downstream turns that into a different output. A bfloat16 dtype's matmuls take
+    bfloat16 operands whatever the precision."""
+    if matmul_precision == "auto":
+        return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+    return None if matmul_precision == "default" else matmul_precision
+
+
+def precision_scope(precision: str | None):
+    """The context in which the model's matmuls run at `precision` (None: as the caller set)."""
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(
+        precision)
 
 
 def init_normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:

@@ -23,7 +23,8 @@ from moebalance import routing
 from moebalance.config import Config, ConfigError
 from moebalance.model.attention import Attention, AttentionDims
 from moebalance.model.hyper import HyperConnection, HyperHead
-from moebalance.model.layers import RMSNorm, dense_init, init_normal, rope_frequencies, stack
+from moebalance.model.layers import (RMSNorm, dense_init, init_normal, matmul_precision,
+                                     precision_scope, rope_frequencies, stack)
 from moebalance.model.moe import MoE, MoEConfig
 from moebalance.routing import RoutingRecord
 
@@ -228,6 +229,7 @@ class DeepSeekV4(nnx.Module):
         self.vocab_size, self.hc_mult, self.emb_dim = cfg.vocab_size, cfg.hc_mult, cfg.base_emb_dim
         d, v, wd = cfg.base_emb_dim, cfg.vocab_size, cfg.weight_dtype
         self.dtype = jnp.dtype(cfg.dtype)
+        self.matmul_precision = matmul_precision(cfg.matmul_precision, cfg.dtype)
         self.embed = nnx.Param(init_normal(rngs, (v, d), wd, 1.0))
         tables = build_hash_tables(cfg, hash_tables)
         kinds = layer_kinds(cfg)
@@ -257,7 +259,7 @@ class DeepSeekV4(nnx.Module):
 
     @jax.named_scope("head")
     def logits(self, y):
-        return y.astype(jnp.float32) @ self.head[...]
+        return jnp.matmul(y.astype(jnp.float32), self.head[...], precision=self.matmul_precision)
 
     def __call__(self, tokens, *, positions=None, segment_ids=None, mask=None,
                  mtp_tokens=None) -> ModelOutput:
@@ -265,6 +267,10 @@ class DeepSeekV4(nnx.Module):
         documents: attention stays within a segment; default one segment); mask [B, S] valid
         tokens (for the routing counts); mtp_tokens [B, S]: the token after each position, which
         the MTP layer (if any) needs; without them the output has no MTP part."""
+        with precision_scope(self.matmul_precision):
+            return self._forward(tokens, positions, segment_ids, mask, mtp_tokens)
+
+    def _forward(self, tokens, positions, segment_ids, mask, mtp_tokens) -> ModelOutput:
         routing.check_token_ids(tokens, self.vocab_size)
         b, s = tokens.shape
         if positions is None:

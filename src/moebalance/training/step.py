@@ -72,7 +72,7 @@ def token_ce(model: DeepSeekV4, hidden, targets):
     """hidden [..., D] (the head's input), targets [...] -> [...] float32 cross-entropy, without
     the full logits (cross_entropy)."""
     ce, _ = token_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.head[...],
-                                targets.reshape(-1))
+                                targets.reshape(-1), precision=model.matmul_precision)
     return ce.reshape(targets.shape)
 
 
