@@ -40,6 +40,7 @@ import datetime
 import itertools
 import json
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -210,6 +211,12 @@ def append_record(path: Path, run: dict, *, device: str, date: str, jax_version:
     return record
 
 
+def progress(line: str) -> None:
+    """A line on stderr as the run goes: a run stopped at its time limit still says how far it
+    came (a d1024 process spends minutes initialising and compiling before its first step)."""
+    print(f"[model_step {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
 def time_step(step, model, optimizer, inputs, steps):
     """-> (first call's seconds (compile + run), mean seconds of the next `steps`, their mean CPU
     seconds (all threads: the work done, which a busy or shared machine does not inflate the way
@@ -233,10 +240,13 @@ def bench(config, overrides, batch, seq, steps, dtype):
     data = batches(cfg)  # text configs: the cached tokenizer and streams
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start
+    progress(f"{config} {batch} x {seq}, {dtype}: model and data ready in {init_s:.1f} s; "
+             "compiling the step")
     step = make_train_step(cfg, model, mesh)
     tokens, mask, segment_ids = data.batch(0)
     compile_s, step_s, cpu_s, metrics = time_step(
         step, model, optimizer, sharding.global_batch(mesh, tokens, mask, segment_ids), steps)
+    progress(f"compiled and ran once in {compile_s:.1f} s; {steps} steps of {step_s:.3f} s")
     flops = model_flops(cfg, segment_ids)
     tokens = int(np.prod(np.shape(segment_ids)))  # [A, B, S]: every micro-batch of the step
     model_gflop = flops["total"] / 1e9

@@ -22,6 +22,12 @@
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
 #     same width (shared/peers/maxtext-tpu copied into .peer/ and carried), its steps -> "peer";
 #   bash benchmarks/tpu.sh ab       `moebalance ab deepseek4-tiny` on the chip -> "ab".
+#   bash benchmarks/tpu.sh speed    (~8 minutes) the issue-40 pair: profile_step.py on the 8-layer
+#     2 x 2048 step (device time by part, $OUT/profile-d1024.json) and model_step.py at MaxText's
+#     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
+#   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES (default the
+#     whole selection, which needs two device calls: give each about half) -> "tests", JUnit XML
+#     in $OUT/tests.xml, its output in $OUT/tests.txt.
 #
 # Each part has its own time limit (opening the chip costs ~15 s per program, and only one
 # program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt
@@ -96,13 +102,27 @@ peer)
         echo "no .peer/maxtext-tpu: copy shared/peers/maxtext-tpu there and carry .peer" | log
     fi
     ;;
+speed)
+    part 280 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 2 \
+        --seq 2048 --steps 3 --top 25 $BF16
+    part 280 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES: MaxText's shape" $BF16 \
+        base_num_decoder_layers=9 "compress_ratios=[0,0,4,128,4,128,4,128,4]"
+    cat "$OUT/d1024.json"
+    ;;
+tests)
+    shift
+    timeout 560 python3 -m pytest -p no:cacheprovider -n 0 --device-tests -q -rf \
+        --durations=20 --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.txt" | tail -60
+    python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
+    ;;
 ab)
     start=$SECONDS
     part 480 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|tests [FILES]]" >&2
     exit 2
     ;;
 esac

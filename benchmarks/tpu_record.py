@@ -6,12 +6,16 @@ write, for benchmarks/tpu.sh:
           and 2 (its timer there reads an asynchronous dispatch) left out -> the record's "peer"
     ab    `moebalance ab`'s result on the chip (the experiment directory's table.json "total" row
           and the command's wall time) -> the record's "ab"
+    tests a `pytest --device-tests` run's JUnit XML (one part of the selection; a device call
+          holds about half of it) -> the record's "tests": the totals over its "parts", each
+          part replacing an earlier one of the same test files
 
 Each is written into the record atomically, its other keys kept (a record that does not exist
 yet is created with this part alone; model_step.py's first run adds the device and the stack).
 
     python benchmarks/tpu_record.py peer RECORD MAXTEXT_LOG [--config TEXT]
     python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR WALL_S
+    python benchmarks/tpu_record.py tests RECORD JUNIT_XML DATE
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import re
 import statistics
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from moebalance.atomic import write_atomic
@@ -50,6 +55,32 @@ def ab_result(experiment: Path, wall_s: float) -> dict:
                                           if k not in ("layer", "routing")}}
 
 
+COUNTS = ("passed", "failed", "skipped", "wall_s")
+
+
+def tests_part(junit_xml: str, date: str) -> dict:
+    """One pytest run from its JUnit XML: its test files, outcome counts, wall time and date,
+    and the failed tests' ids."""
+    suite = ET.fromstring(junit_xml)
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    cases = suite.findall("testcase")
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
+              if c.find("failure") is not None or c.find("error") is not None]
+    skipped = sum(c.find("skipped") is not None for c in cases)
+    files = sorted({c.get("classname").rsplit(".", 1)[-1] + ".py" for c in cases})
+    return {"files": files, "passed": len(cases) - len(failed) - skipped, "failed": len(failed),
+            "skipped": skipped, "wall_s": round(float(suite.get("time")), 1), "date": date,
+            "failures": failed}
+
+
+def merge_tests(tests: dict | None, part: dict) -> dict:
+    """The record's "tests" with `part` in place of any earlier part of the same files: the
+    totals of its parts, the latest date."""
+    parts = [p for p in (tests or {}).get("parts", []) if p["files"] != part["files"]] + [part]
+    totals = {k: round(sum(p[k] for p in parts), 1) for k in COUNTS}
+    return {**totals, "date": max(p["date"] for p in parts), "parts": parts}
+
+
 def set_part(path: Path, key: str, value) -> dict:
     """record[key] = value (a list key: appended to), written atomically."""
     path = Path(path)
@@ -71,11 +102,19 @@ def main(argv=None):
     ab.add_argument("record", type=Path)
     ab.add_argument("experiment", type=Path)
     ab.add_argument("wall_s", type=float)
+    tests = sub.add_parser("tests")
+    tests.add_argument("record", type=Path)
+    tests.add_argument("junit", type=Path)
+    tests.add_argument("date")
     args = parser.parse_args(argv)
     if args.part == "peer":
         set_part(args.record, "peer", maxtext_run(args.log.read_text(), args.config))
-    else:
+    elif args.part == "ab":
         set_part(args.record, "ab", ab_result(args.experiment, args.wall_s))
+    else:
+        record = json.loads(args.record.read_text()) if args.record.exists() else {}
+        set_part(args.record, "tests", merge_tests(record.get("tests"),
+                                                   tests_part(args.junit.read_text(), args.date)))
 
 
 if __name__ == "__main__":

@@ -42,15 +42,21 @@ def test_values_and_gradients_equal_the_full_logits_formula(tokens, chunk):
 
 
 def test_hand_computed_case():
-    # logits = [0, ln 3] for one token: lse = ln 4; target 1 -> ce = ln 4 - ln 3
+    # logits = [0, ln 3] for one token: lse = ln 4; target 1 -> ce = ln 4 - ln 3. At float32
+    # precision (what a float32 model asks for): a TPU's default would round ln 3 to bfloat16
+    # (1.0986 -> 1.1016) and give lse 1.38625, not ln 4 = 1.38629.
     h = jnp.asarray([[1.0]])
     head = jnp.asarray([[0.0, np.log(3.0)]], jnp.float32)
-    ce, lse = token_cross_entropy(h, head, jnp.asarray([1]))
+
+    def ce_lse(head):
+        return token_cross_entropy(h, head, jnp.asarray([1]), precision="highest")
+
+    ce, lse = ce_lse(head)
     np.testing.assert_allclose(lse, [np.log(4.0)], rtol=1e-6)
     np.testing.assert_allclose(ce, [np.log(4.0 / 3.0)], rtol=1e-6)
     # d ce / d logits = softmax - onehot = [1/4, -1/4]; d/d head = h^T that
-    np.testing.assert_allclose(jax.grad(lambda w: token_cross_entropy(h, w, jnp.asarray([1]))[0]
-                                        .sum())(head), [[0.25, -0.25]], rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda w: ce_lse(w)[0].sum())(head), [[0.25, -0.25]],
+                               rtol=1e-6)
 
 
 def test_bfloat16_hidden_keeps_its_dtype_and_float32_maths():

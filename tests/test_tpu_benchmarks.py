@@ -142,6 +142,40 @@ def test_peer_and_ab_parts_join_the_record_that_model_step_appends_to(tpu_record
                          "steps": 20, "tokens_per_step": 2048}
 
 
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
+failures="1" skipped="1" tests="{n}" time="{t}">{cases}</testsuite></testsuites>"""
+
+
+def _junit(t, **outcomes):
+    """A JUnit XML of tests named `file.name` with outcome '' (passed), 'failure' or 'skipped'."""
+    cases = "".join(f'<testcase classname="tests.{name.split(".")[0]}" name="{name.split(".")[1]}" '
+                    f'time="0.1">{"<" + o + "/>" if o else ""}</testcase>'
+                    for name, o in outcomes.items())
+    return JUNIT.format(n=len(outcomes), t=t, cases=cases)
+
+
+def test_device_test_parts_add_up_and_a_part_run_again_replaces_its_earlier_run(tpu_record,
+                                                                              tmp_path):
+    record, xml = tmp_path / "tpu-v5e.json", tmp_path / "tests.xml"
+    xml.write_text(_junit(300.5, **{"test_a.one": "", "test_a.two": "failure",
+                                    "test_b.three": "skipped", "test_b.four": ""}))
+    tpu_record.main(["tests", str(record), str(xml), "2026-12-06"])
+    first = json.loads(record.read_text())["tests"]
+    assert {k: first[k] for k in ("passed", "failed", "skipped", "wall_s", "date")} == {
+        "passed": 2, "failed": 1, "skipped": 1, "wall_s": 300.5, "date": "2026-12-06"}
+    assert first["parts"][0]["files"] == ["test_a.py", "test_b.py"]
+    assert first["parts"][0]["failures"] == ["tests.test_a::two"]
+    xml.write_text(_junit(100.0, **{"test_c.five": "", "test_c.six": ""}))
+    tpu_record.main(["tests", str(record), str(xml), "2026-12-07"])
+    xml.write_text(_junit(200.0, **{"test_a.one": "", "test_a.two": "", "test_b.three": "",
+                                    "test_b.four": ""}))  # the first part again, now passing
+    tpu_record.main(["tests", str(record), str(xml), "2026-12-07"])
+    tests = json.loads(record.read_text())["tests"]
+    assert {k: tests[k] for k in ("passed", "failed", "skipped", "wall_s", "date")} == {
+        "passed": 6, "failed": 0, "skipped": 0, "wall_s": 300.0, "date": "2026-12-07"}
+    assert len(tests["parts"]) == 2
+
+
 def test_tpu_scripts_parse():
     for script in ("tpu.sh", "tpu_wheels.sh", "accelerator.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
@@ -149,7 +183,8 @@ def test_tpu_scripts_parse():
 
 def test_a_part_keeps_its_output_and_its_limit(tmp_path):
     """parts.sh: a part's stdout is appended to OUT/NAME.json, its stderr and exit go to the log,
-    and a part past its limit is stopped (exit 124) without stopping the script."""
+    its stderr also to the screen as it comes (the device tool returns the screen), and a part
+    past its limit is stopped (exit 124) without stopping the script."""
     script = ("set -u; . benchmarks/parts.sh; part 5 fast echo '{\"a\": 1}'; "
               "part 5 fast sh -c 'echo more; echo oops >&2'; part 1 slow sleep 5; echo after")
     run = subprocess.run(["bash", "-c", script], cwd=ROOT, env={"OUT": str(tmp_path), "PATH":
@@ -158,6 +193,7 @@ def test_a_part_keeps_its_output_and_its_limit(tmp_path):
     assert (tmp_path / "fast.json").read_text() == '{"a": 1}\nmore\n'
     log = (tmp_path / "log.txt").read_text()
     assert "oops" in log and "== fast: exit 0 after" in log and "== slow: exit 124 after" in log
+    assert "oops" in run.stderr and "more" not in run.stderr
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
