@@ -94,6 +94,26 @@ def test_plan_command_json_and_the_fit(capsys):
     assert result["all_to_all"]["fast"]["none"] < result["all_to_all"]["worst"]["none"]
 
 
+def test_plan_defaults_to_this_machines_devices_and_their_memory(capsys, monkeypatch):
+    """Without --devices the plan is for this machine's devices; without --device-memory it says
+    whether the step fits the devices' own memory where JAX reports it (an accelerator's), and
+    otherwise what to pass for the verdict."""
+    from moebalance.cli import configs
+
+    assert main(["plan", "deepseek4-smoke"]) == 0
+    out = capsys.readouterr().out
+    assert f"deepseek4-smoke on {jax.device_count()} devices" in out
+    assert "whether it fits: give --device-memory GiB (JAX reports no memory for cpu devices)" \
+        in out and "fits" not in out.split("whether")[0]
+    monkeypatch.setattr(configs, "device_memory_gib", lambda: (0.01, "TPU v5 lite"))
+    assert main(["plan", "deepseek4-smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "fits 0.01 GiB (TPU v5 lite memory)" in out and "give --device-memory" not in out
+    assert main(["plan", "deepseek4-smoke", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] == {r: result["total"][r] <= 0.01 * 2**30 for r in ("none", "full")}
+
+
 def test_remat_policies_keep_less_the_more_they_recompute(capsys):
     """Activations by remat policy (the residuals the policy really saves, traced): none keeps
     everything, save_experts the weight and expert matmuls, minimal the weight matmuls only,

@@ -22,6 +22,7 @@ from moebalance import balancing, routing
 from moebalance.metrics import load_stats
 
 RULES = (*balancing.BIAS_RULES, "quantile")
+OSC_MIN_STEPS = 40  # the shortest run whose overshoot the demo reports (overshoot_window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,14 @@ def run(sim: Simulation, rule: str, rate: float | None = None, steps: int = 300)
     _, (counts, bias) = scan(jnp.zeros(sim.num_experts, jnp.float32))
     counts = np.asarray(counts)
     return {"counts": counts, "bias": np.asarray(bias), "maxvio": load_stats(counts)["maxvio"]}
+
+
+def overshoot_window(steps: int) -> int:
+    """How many of a run's last steps its overshoot is measured over: the second half, at most
+    100 steps, so that the first half's settling from the initial skew (which reads as positive
+    autocorrelation) stays out; 0 for a run shorter than OSC_MIN_STEPS, whose window would hold
+    too few consecutive steps to tell an oscillation from noise (two steps give +1 or -1)."""
+    return min(100, steps // 2) if steps >= OSC_MIN_STEPS else 0
 
 
 def overshoot(counts: np.ndarray) -> float:

@@ -65,13 +65,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             resume and run.has_checkpoint()) else 0  # stopped before its first: start over
         if resume and writer:
             run.rewind(first)
-        changed = None  # the note of a run resumed with another total
-        if planned != cfg.steps:
-            ended = first > 0 and run.finished(first)  # so its biases may have been calibrated
-            changed = steps_note(cfg, planned, first,
-                                 calibrated=ended and calibration_batches(cfg, model) > 0)
-            if writer:
-                run.change_steps(cfg.steps, first)
+        changed = _change_steps(cfg, run, planned, first, model) if planned != cfg.steps else None
         step_fn = make_train_step(cfg, model, mesh, program)
         eval_step = make_eval_step(cfg, model, mesh)
         routing = ["topk" if i in routed_layers(model) else "hash"
@@ -95,13 +89,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                                              routing, mesh.shape["expert"])
                 sinks.step(record, counts)
                 if step + 1 == cfg.steps:
-                    final = final_probe(cfg, model, mesh, eval_step, probes, train_data)
-                    if final["calibration"]:
-                        sinks.note(f"biases calibrated on the next {final['calibration']} "
-                                   "(fresh) training batches at the final weights")
-                    if writer:
-                        run.write_probe(cfg.steps, final["counts"], routing, probes[0][1].size,
-                                        final["refit"], final["online"])
+                    _measure_final(cfg, model, mesh, eval_step, probes, train_data, run=run,
+                                   routing=routing, sinks=sinks)
                 if (step + 1) % cfg.checkpoint_period == 0 or step + 1 == cfg.steps or stop.signal:
                     checkpoint.save(checkpoints, step + 1, model, optimizer)
                 if stop.signal:
@@ -109,6 +98,30 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             if record:
                 sinks.end(record)
     return record
+
+
+def _change_steps(cfg: Config, run: RunDir, planned: int, first: int, model) -> str:
+    """A run planned for `planned` steps resumed after `first` to run `cfg.steps`: config.yaml
+    updated (by process 0), and the note that says so (steps_note)."""
+    ended = first > 0 and run.finished(first)  # so its biases may have been calibrated
+    note = steps_note(cfg, planned, first, calibrated=ended and calibration_batches(cfg, model) > 0)
+    if jax.process_index() == 0:
+        run.change_steps(cfg.steps, first)
+    return note
+
+
+def _measure_final(cfg: Config, model, mesh, eval_step, probes, train_data, *, run: RunDir,
+                   routing: list[str], sinks: Hooks) -> None:
+    """After the last step: the probe set measured at the final weights (by every process:
+    collectives), the biases calibrated first where the config says (a note), and written by
+    process 0."""
+    final = final_probe(cfg, model, mesh, eval_step, probes, train_data)
+    if final["calibration"]:
+        sinks.note(f"biases calibrated on the next {final['calibration']} (fresh) training "
+                   "batches at the final weights")
+    if jax.process_index() == 0:
+        run.write_probe(cfg.steps, final["counts"], routing, probes[0][1].size, final["refit"],
+                        final["online"])
 
 
 def steps_note(cfg: Config, planned: int, first: int, calibrated: bool) -> str:

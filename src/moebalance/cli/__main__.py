@@ -1,0 +1,5 @@
+"""`python -m moebalance.cli`: the installed `moebalance` command."""
+
+from moebalance.cli import entry
+
+entry()

@@ -1,0 +1,168 @@
+"""`moebalance params`, `plan` and `keys`: what a config is and what its training step costs,
+nothing allocated."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+
+def _params(args) -> int:
+    """Print total and active parameter counts of a config (abstract evaluation, no memory)."""
+    from moebalance.config import load_config
+    from moebalance.model.transformer import parameter_counts
+
+    counts = parameter_counts(load_config(args.config, args.overrides))
+    if args.json:
+        print(json.dumps(counts))
+    else:
+        for key, value in counts.items():
+            print(f"{key:>6}: {value:>17,d}  ({value / 1e9:.2f}B)")
+    return 0
+
+
+def device_memory_gib() -> tuple[float | None, str]:
+    """(GiB of memory of one of this machine's devices where JAX reports it (an accelerator's
+    bytes_limit), else None; their kind, e.g. 'TPU v5 lite' or 'cpu')."""
+    import jax
+
+    from moebalance.training.plan import GIB
+
+    device = jax.devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return (limit / GIB if limit else None), device.device_kind
+
+
+def _plan(args) -> int:
+    """Per-device memory and all-to-all traffic of a config's training step on N devices (default:
+    this machine's, or the --compile topology's), and whether it fits --device-memory (default:
+    the devices' own memory where JAX reports it)."""
+    import jax
+    from rich.console import Console
+    from rich.table import Table
+
+    from moebalance.config import load_config
+    from moebalance.training.plan import GIB, plan
+
+    cfg, compiled, memory_note = load_config(args.config, args.overrides), None, ""
+    if args.compile:
+        compiled = _compile_for_plan(cfg, args)
+        cfg = compiled.pop("traced")
+    args.devices = args.devices or jax.device_count()
+    if args.device_memory is None:  # a topology compiled for is not this machine's devices
+        own, kind = device_memory_gib() if not args.compile else (None, args.compile)
+        args.device_memory = own or 0.0
+        memory_note = (f" ({kind} memory)" if own else "whether it fits: give --device-memory "
+                       f"GiB (JAX reports no memory for {kind} devices)")
+    result = plan(cfg, args.devices, args.device_memory, args.devices_per_host)
+    if args.json:
+        print(json.dumps({**result.as_dict(), **({"compiled": compiled} if compiled else {})}))
+        return 0
+    mesh = " x ".join(f"{axis} {size}" for axis, size in result.mesh.items())
+    unit, scale = ("GiB", GIB) if result.total("none") >= GIB else ("MiB", 2**20)
+    print(f"{args.config} on {args.devices} devices ({mesh}), {unit} per device:")
+    table = Table()
+    table.add_column("")
+    policies = list(result.activations)  # none, full and the config's remat_policy
+    for policy in policies:
+        table.add_column(f"remat {policy}", justify="right")
+    for name in ("parameters", "optimizer", "gradients", "gathered"):
+        table.add_row(name, *[f"{getattr(result, name) / scale:,.2f}"] * len(policies))
+    for name, values in (("activations", result.activations),
+                         ("total", {r: result.total(r) for r in policies}),
+                         *((f"all-to-all sent/step ({path})", result.all_to_all[path])
+                           for path in ("fast", "worst"))):
+        table.add_row(name, *(f"{values[r] / scale:,.2f}" for r in policies))
+    if args.device_memory:
+        table.add_row(f"fits {args.device_memory:g} GiB{memory_note}",
+                      *("yes" if result.fits(r) else "no" for r in policies))
+    Console().print(table)
+    print(f"largest block's residuals: {result.block / scale:,.2f} {unit}; all-to-all pairs "
+          f"across hosts of {args.devices_per_host} devices: {result.cross_host:.0%}")
+    if not args.device_memory:
+        print(memory_note)
+    if compiled:
+        _print_compiled(compiled, result.total(cfg.remat_policy), args.device_memory, unit, scale)
+    return 0
+
+
+def _compile_for_plan(cfg, args) -> dict:
+    """plan --compile: XLA's memory of the step compiled for the topology (training/compiled)."""
+    from moebalance.config import ConfigError
+    from moebalance.training import compiled
+
+    devices = compiled.topology_devices(args.compile)
+    args.devices = args.devices or len(devices)
+    if len(devices) != args.devices:
+        raise ConfigError(f"--compile {args.compile} has {len(devices)} devices, --devices says "
+                          f"{args.devices}: give --devices {len(devices)}")
+    logging.getLogger("moebalance").info(
+        "compiling the training step for %s (minutes for a large model)", args.compile)
+    memory, seconds, _ = compiled.compiled_memory(cfg, devices)
+    return {"topology": args.compile, "device": devices[0].device_kind, "remat": cfg.remat_policy,
+            "memory": memory, "compile_s": round(seconds, 1),
+            "traced": compiled.traced_layout(cfg, devices)}
+
+
+def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: str,
+                    scale: int) -> None:
+    from moebalance.training.plan import GIB
+
+    memory = {k: v / scale if isinstance(v, int) else v for k, v in compiled["memory"].items()}
+    head = (f"XLA, the step compiled for {compiled['topology']} ({compiled['device']}, remat "
+            f"{compiled['remat']}) in {compiled['compile_s']:.0f} s, {unit} per device:")
+    if "refused" in memory:
+        print(f"{head} refused: its temporaries alone need {memory['temp']:,.2f}\n  "
+              f"{memory['refused']}")
+        return
+    print(f"{head} arguments {memory['argument']:,.2f} + outputs {memory['output']:,.2f} - "
+          f"aliased {memory['alias']:,.2f} + temporaries {memory['temp']:,.2f} = needed "
+          f"{memory['needed']:,.2f} (heap peak {memory['peak']:,.2f}); plan / needed "
+          f"{planned / compiled['memory']['needed']:.2f}")
+    if device_memory:
+        fits = compiled["memory"]["needed"] <= device_memory * GIB
+        print(f"fits {device_memory:g} GiB by XLA's account: {'yes' if fits else 'no'}")
+
+
+def _keys(args) -> int:
+    """Every config key with its type, default and meaning."""
+    from moebalance.config import describe
+
+    for key, kind, default, help_text in describe():
+        if args.filter in key:
+            print(f"{key} ({kind}, default {default!r}): {help_text}")
+    return 0
+
+
+def add_parsers(sub, common: argparse.ArgumentParser) -> None:
+    """The subcommands params, plan and keys."""
+    params = sub.add_parser("params", parents=[common],
+                            help="total and active parameter counts of a config")
+    params.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
+    params.add_argument("overrides", nargs="*", help="key=value overrides")
+    params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
+    params.set_defaults(func=_params)
+    planner = sub.add_parser("plan", parents=[common],
+                             help="per-device memory and all-to-all traffic of a training step "
+                                  "on N devices, and whether it fits (nothing is allocated)")
+    planner.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
+    planner.add_argument("overrides", nargs="*", help="key=value overrides (the ici_* keys give "
+                                                      "the mesh)")
+    planner.add_argument("--devices", type=int, default=None,
+                         help="accelerators in the mesh (default: this machine's devices, or "
+                              "the --compile topology's)")
+    planner.add_argument("--device-memory", type=float, default=None,
+                         help="GiB of memory per accelerator: say whether it fits (default: "
+                              "the devices' own, where JAX reports it)")
+    planner.add_argument("--devices-per-host", type=int, default=8,
+                         help="for the share of all-to-all traffic between hosts (default 8)")
+    planner.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    planner.add_argument("--compile", metavar="TOPOLOGY",
+                         help="also compile the step for a topology (v5e:1x1, v5e:2x2, ...: needs "
+                              "libtpu, not a chip; or cpu) and print XLA's memory of it")
+    planner.set_defaults(func=_plan)
+    keys = sub.add_parser("keys", parents=[common],
+                          help="every config key with its type, default and meaning")
+    keys.add_argument("filter", nargs="?", default="", help="only keys containing this text")
+    keys.set_defaults(func=_keys)
