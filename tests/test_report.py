@@ -392,3 +392,22 @@ def test_ab_report_shows_the_probe_set_beside_the_seed_table(tmp_path):
     (runs["b"] / "probe_counts.json").write_text(json.dumps(probe))
     with pytest.raises(ValueError, match="probe set's final .*tokens \\* K"):
         report.load_run(runs["b"])
+
+
+def test_report_reads_an_experiment_directory_as_its_runs(tmp_path, capsys):
+    """`moebalance report DIR` on the folder `ab` wrote compares its run_a and run_b (named
+    after the experiment, so two experiments' runs stay apart), as if they were given."""
+    from moebalance import cli
+
+    for exp, final_b in (("ab", FINAL_B), ("ab2", FINAL_A)):
+        write_run(tmp_path / exp / "run_a", STEP0, FINAL_A, ROUTING, tokens=4, k=2)
+        write_run(tmp_path / exp / "run_b", STEP0, final_b, ROUTING, tokens=4, k=2)
+        (tmp_path / exp / "table.md").write_text("the experiment's own report")
+    table = report.compare_report([tmp_path / "ab", tmp_path / "ab2" / "run_b"],
+                                  tmp_path / "cmp", console=quiet_console())
+    assert table["runs"] == ["ab/run_a", "ab/run_b", "run_b"]
+    assert table["total"]["var"] == {"ab/run_a": 14.0, "ab/run_b": 2.5, "run_b": 14.0}
+    assert cli.main(["report", str(tmp_path / "ab"), str(tmp_path / "ab2"), "--out",
+                     str(tmp_path / "both"), "-q"]) == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "both" / "table.json").read_text())["runs"] == [
+        "ab/run_a", "ab/run_b", "ab2/run_a", "ab2/run_b"]

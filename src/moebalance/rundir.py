@@ -232,12 +232,20 @@ class RunDir:
         if not (self.path / CONFIG).is_file():
             raise FileNotFoundError(f"{self.path} is not a run directory: it has no config.yaml "
                                     "(the trainer writes one into every run; for an A/B "
-                                    "experiment give its run_a or run_b)")
+                                    "experiment give its run_a or run_b, or to `report` the "
+                                    "experiment's directory)")
         for name in names:
             if not (self.path / name).is_file():
                 raise FileNotFoundError(f"{self.path / name} is missing: is {self.path} a "
                                         "finished run?")
         return self
+
+    def runs_inside(self) -> list[Path]:
+        """The run directories directly inside this directory when it is not one itself (an A/B
+        experiment's run_a and run_b), in name order; [] otherwise."""
+        if (self.path / CONFIG).is_file() or not self.path.is_dir():
+            return []
+        return sorted(p for p in self.path.iterdir() if (p / CONFIG).is_file())
 
     def config_dict(self) -> dict:
         """config.yaml as written (keys of older versions included)."""

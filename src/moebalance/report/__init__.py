@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from moebalance.report.page import write_html
-from moebalance.report.runs import Run, load_run
+from moebalance.report.runs import Run, load_run, load_runs
 from moebalance.report.tables import (column_groups, compare_table, format_markdown, headline,
                                       layer_table, print_table, set_table, table_cells)
 
 __all__ = ["PLOTS", "REPORT_FILES", "Run", "ab_report", "column_groups", "compare_report",
-           "compare_table", "format_markdown", "headline", "layer_table", "load_run",
+           "compare_table", "format_markdown", "headline", "layer_table", "load_run", "load_runs",
            "print_table", "set_table", "table_cells", "write_html"]
 
 PLOTS = ("variance.png", "heatmaps.png", "maxvio.png", "loss.png")
@@ -105,14 +105,15 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
 
 
 def compare_report(runs, out, console=None, *, overwrite: bool = False) -> dict:
-    """Any number (>= 1) of runs side by side (e.g. sign vs proportional vs quantile vs aux loss).
+    """Any number (>= 1) of runs side by side (e.g. sign vs proportional vs quantile vs aux loss);
+    `runs` are run directories or directories of them (an A/B experiment's: its two runs).
 
     Runs may have measured different probe batches (the table then shows each run's own step-0
     variance), but they must share the model shape, routing, probe size and K, since variances of
     different batch sizes or expert counts are not comparable.
     """
     out = Path(out)
-    loaded = [load_run(path) for path in runs]
+    loaded = load_runs(runs)
     if not loaded:
         raise ValueError("compare_report needs at least one run directory")
     names = [run.name for run in loaded]

@@ -7,6 +7,7 @@ the same for every micro-batch of the probe set, when the run measured one).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
@@ -36,8 +37,20 @@ class Run:
     probe_set: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
-def load_run(path) -> Run:
-    """Read a run directory; a missing file or an inconsistent probe raises with the reason."""
+def load_runs(paths) -> list[Run]:
+    """The runs of `paths`, each a run directory or a directory of them (an A/B experiment's:
+    its run_a and run_b, named `experiment/run_a` and `experiment/run_b`)."""
+    runs = []
+    for path in map(Path, paths):
+        inside = RunDir(path).runs_inside()
+        runs += ([load_run(run, f"{path.resolve().name}/{run.name}") for run in inside] if inside
+                 else [load_run(path)])
+    return runs
+
+
+def load_run(path, name: str | None = None) -> Run:
+    """Read a run directory (named `name`, default its directory's name); a missing file or an
+    inconsistent probe raises with the reason."""
     run = RunDir(path).require(METRICS, PROBE)
     path, config, metrics = run.path, run.config_dict(), run.metrics()
     if not metrics:
@@ -62,12 +75,12 @@ def load_run(path) -> Run:
         online = checked[f"online-bias step {final_step}"] = np.asarray(online, np.int64)
     probe_set = {}
     stored = probe.get("set", {})
-    for name, (key, step) in {"step0": ("counts", 0), "final": ("counts", final_step),
+    for part, (key, step) in {"step0": ("counts", 0), "final": ("counts", final_step),
                               "refit": ("refit", final_step),
                               "online": ("online", final_step)}.items():
         value = stored.get(key, {}).get(str(step))
         if value is not None:
-            probe_set[name] = checked[f"the probe set's {name}"] = np.asarray(value, np.int64)
+            probe_set[part] = checked[f"the probe set's {part}"] = np.asarray(value, np.int64)
     for what, c in checked.items():
         if c.shape[-2:] != shape:
             raise ValueError(f"{path}: probe counts of {what} have shape {c.shape}, expected "
@@ -78,6 +91,6 @@ def load_run(path) -> Run:
     if probe_set and len({c.shape for c in probe_set.values()}) > 1:
         raise ValueError(f"{path}: the probe set's counts differ in their number of batches")
     ranks = len(metrics[-1]["layers"][0].get("rank_load", [0]))
-    return Run(name=path.resolve().name, config=config, metrics=metrics, step0=counts[0],
+    return Run(name=name or path.resolve().name, config=config, metrics=metrics, step0=counts[0],
                final=counts[final_step], final_step=final_step, routing=routing, tokens=tokens,
                ranks=ranks, refit=refit, online=online, probe_set=probe_set)
