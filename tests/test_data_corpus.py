@@ -57,6 +57,20 @@ def test_empty_corpus_is_an_error(tmp_path):
         data.corpus_files(text_config(tmp_path, root))
 
 
+def test_an_empty_named_file_is_called_empty(tmp_path):
+    """A file named in dataset_path is no match of dataset_glob: the error says what is wrong
+    with the file itself."""
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(data.DataError) as err:
+        data.corpus_files(text_config(tmp_path, tmp_path / "empty.jsonl"))
+    assert str(err.value) == (f"config key `dataset_path`: {tmp_path / 'empty.jsonl'} is empty; "
+                              "give files that hold text")
+    with pytest.raises(data.DataError, match=r"empty.jsonl is empty; .*latin1.txt is not UTF-8"):
+        data.corpus_files(text_config(tmp_path, tmp_path / "empty.jsonl", dataset_path=[
+            str(tmp_path / "empty.jsonl"), str(tmp_path / "latin1.txt")]))
+
+
 def test_missing_path_is_an_error(tmp_path, corpus):
     root, _ = corpus
     with pytest.raises(data.DataError, match="nowhere.*does not exist"):

@@ -168,7 +168,7 @@ def test_an_interrupted_export_leaves_no_complete_looking_out(tmp_path, monkeypa
 
 
 def test_a_synthetic_run_exports_weights_without_a_tokenizer(tmp_path, capsys):
-    run = _run_copy(tmp_path, tokenizer=False, dataset_type="synthetic")
+    run = _run_copy(tmp_path, tokenizer=False, dataset_type="synthetic", dataset_path=[])
     out = tmp_path / "out"
     assert cli.main(["export", str(run), str(out)]) == 0
     captured = capsys.readouterr()

@@ -251,6 +251,10 @@ def validate(c: Config) -> None:
              f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
     _require(c.dataset_type in ("synthetic", "text", "tokens"), "dataset_type",
              f"must be 'synthetic', 'text' or 'tokens', got {c.dataset_type!r}")
+    for key in ("dataset_path", "tokenizer_path"):
+        _require(c.dataset_type != "synthetic" or not getattr(c, key), key,
+                 f"has no effect with dataset_type 'synthetic' (seeded random tokens); set "
+                 f"dataset_type=text (or tokens) to train on it, or leave {key} out")
     _require(c.dataset_type != "tokens" or bool(c.dataset_path), "dataset_path",
              "dataset_type 'tokens' needs the token files (or their directory) in dataset_path")
     _require(0 < c.eval_fraction < 1, "eval_fraction", f"must be in (0, 1), got {c.eval_fraction}")
@@ -427,7 +431,21 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
     for key in values:
         if key not in types:
             raise _unknown(key, types)
-    return Config(**{k: _check_type(k, v, types[k]) for k, v in values.items()})
+    values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
+    _check_dataset_path(values)
+    return Config(**values)
+
+
+def _check_dataset_path(values: dict) -> None:
+    """A `dataset_path` entry of a text or tokens config that does not exist, named before the
+    schema's checks: the first thing to fix (a check such as tokenizer_vocab_size <= vocab_size
+    is moot until the data is there)."""
+    from moebalance.data.errors import missing_path
+
+    if values.get("dataset_type", Config.dataset_type) != "synthetic":
+        for entry in values.get("dataset_path", []):
+            if not Path(entry).expanduser().exists():
+                raise missing_path(entry)
 
 
 def describe() -> list[tuple[str, str, Any, str]]:

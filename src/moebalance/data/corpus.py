@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 
 from moebalance.config import Config
 from moebalance.data import default_corpus
-from moebalance.data.errors import DataError, unreadable
+from moebalance.data.errors import DataError, missing_path, unreadable
 from moebalance.data.records import is_record_file, read_records
 
 log = logging.getLogger(__name__)
@@ -90,8 +90,7 @@ def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
                 if path.is_file():
                     yield path.relative_to(root).as_posix(), path
         else:
-            raise DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing "
-                            "files or directories (or [] for the embedded default corpus)")
+            raise missing_path(entry)
 
 
 def corpus_documents(cfg: Config) -> list[Document]:
@@ -107,6 +106,11 @@ def corpus_documents(cfg: Config) -> list[Document]:
         usable = path.stat().st_size > 0 if is_record_file(path) else _is_text(resolved)
         if resolved not in docs and usable:
             docs[resolved] = Document(name, path)
+    named = [Path(entry).expanduser() for entry in cfg.dataset_path]
+    if not docs and all(path.is_file() for path in named):  # no glob applies to a named file
+        raise DataError("config key `dataset_path`: " + "; ".join(
+            f"{path} is {'empty' if path.stat().st_size == 0 else 'not UTF-8 text'}"
+            for path in named) + "; give files that hold text")
     if not docs:
         raise DataError(f"config keys `dataset_path`/`dataset_glob`: no non-empty UTF-8 file "
                         f"matches {cfg.dataset_glob!r} in {cfg.dataset_path}; point dataset_path "

@@ -11,3 +11,9 @@ def unreadable(path: Path, err: OSError) -> DataError:
     """The error of a file under `dataset_path` that cannot be read (permission denied)."""
     return DataError(f"config key `dataset_path`: cannot read {path} ({err.strerror}); make it "
                      "readable (chmod a+rX) or leave it out of dataset_path")
+
+
+def missing_path(entry: str) -> DataError:
+    """The error of a `dataset_path` entry that does not exist."""
+    return DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing files "
+                     "or directories (or [] for the embedded default corpus)")
