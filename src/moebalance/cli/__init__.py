@@ -5,6 +5,7 @@ of subcommands in a module of its own, which adds its parsers:
     experiment.py   ab, report, demo
     configs.py      params, plan, keys
     checkpoints.py  convert, export
+    options.py      what several subcommands share: -q / -v, --no-compile-cache, CONFIG
 
 `moebalance.cli:entry` is the installed command; `python -m moebalance.cli` runs it too.
 """
@@ -18,22 +19,7 @@ import re
 import sys
 
 from moebalance import __version__
-from moebalance.cli import checkpoints, configs, experiment, training
-
-
-def _common_options() -> argparse.ArgumentParser:
-    """Every subcommand's: -q / -v (how much goes to stderr besides results and errors) and
-    --no-compile-cache."""
-    common = argparse.ArgumentParser(add_help=False)
-    level = common.add_mutually_exclusive_group()
-    level.add_argument("-q", "--quiet", action="store_true",
-                       help="only results and errors: no progress bar, no progress notes")
-    level.add_argument("-v", "--verbose", action="store_true", help="also debugging notes")
-    common.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                        help="compile every program afresh and keep none: no persistent "
-                             "compilation cache ($MOEBALANCE_CACHE_DIR, default "
-                             "~/.cache/moebalance/xla)")
-    return common
+from moebalance.cli import checkpoints, configs, experiment, options, training
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"moebalance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    common = _common_options()
+    common = options.common()
     for group in (training, experiment, configs, checkpoints):
         group.add_parsers(sub, common)
     return parser

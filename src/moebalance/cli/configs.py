@@ -7,6 +7,8 @@ import argparse
 import json
 import logging
 
+from moebalance.cli.options import config_command
+
 
 def _params(args) -> int:
     """Print total and active parameter counts of a config (abstract evaluation, no memory)."""
@@ -137,18 +139,14 @@ def _keys(args) -> int:
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     """The subcommands params, plan and keys."""
-    params = sub.add_parser("params", parents=[common],
-                            help="total and active parameter counts of a config")
-    params.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
-    params.add_argument("overrides", nargs="*", help="key=value overrides")
+    params = config_command(sub, "params", common, "deepseek4-flash",
+                            "total and active parameter counts of a config")
     params.add_argument("--json", action="store_true", help="print {total, active, mtp} as JSON")
     params.set_defaults(func=_params)
-    planner = sub.add_parser("plan", parents=[common],
-                             help="per-device memory and all-to-all traffic of a training step "
-                                  "on N devices, and whether it fits (nothing is allocated)")
-    planner.add_argument("config", help="a preset name (e.g. deepseek4-flash) or a YAML path")
-    planner.add_argument("overrides", nargs="*", help="key=value overrides (the ici_* keys give "
-                                                      "the mesh)")
+    planner = config_command(sub, "plan", common, "deepseek4-flash",
+                             "per-device memory and all-to-all traffic of a training step on N "
+                             "devices, and whether it fits (nothing is allocated)",
+                             "key=value overrides (the ici_* keys give the mesh)")
     planner.add_argument("--devices", type=int, default=None,
                          help="accelerators in the mesh (default: this machine's devices, or "
                               "the --compile topology's)")

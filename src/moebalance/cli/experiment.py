@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from moebalance.cli.options import config_command
+
 
 def _ab(args) -> int:
     """Run A (no balancing) vs Run B (the config's balancing), then the table, plots, report."""
@@ -95,12 +97,10 @@ def _demo(args) -> int:
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     """The subcommands ab, report and demo."""
-    ab = sub.add_parser("ab", parents=[common],
-                        help="the A/B experiment: no balancing vs the config's balancing, "
-                        "with the seed's table, plots and an HTML report; prints the result "
-                        "(-v: also the per-layer tables)")
-    ab.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
-    ab.add_argument("overrides", nargs="*", help="key=value overrides (apply to both runs)")
+    ab = config_command(sub, "ab", common, "deepseek4-tiny",
+                        "the A/B experiment: no balancing vs the config's balancing, with the "
+                        "seed's table, plots and an HTML report; prints the result (-v: also "
+                        "the per-layer tables)", "key=value overrides (apply to both runs)")
     ab.add_argument("--out", required=True, help="the experiment directory")
     mode = ab.add_mutually_exclusive_group()
     mode.add_argument("--overwrite", action="store_true", help="replace the experiment in --out")

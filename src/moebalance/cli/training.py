@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 
+from moebalance.cli.options import config_command
+
 
 def _train(args) -> int:
     """Train a config into a run directory, showing progress and balance as it goes."""
@@ -74,10 +76,8 @@ def _generate(args) -> int:
 
 def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     """The subcommands train, eval and generate."""
-    train = sub.add_parser("train", parents=[common],
-                           help="train a config; writes a run directory")
-    train.add_argument("config", help="a preset name (e.g. deepseek4-tiny) or a YAML path")
-    train.add_argument("overrides", nargs="*", help="key=value overrides")
+    train = config_command(sub, "train", common, "deepseek4-tiny",
+                           "train a config; writes a run directory")
     train.add_argument("--out", required=True, help="the run directory")
     mode = train.add_mutually_exclusive_group()
     mode.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
