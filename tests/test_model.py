@@ -8,6 +8,7 @@ from flax import nnx
 import reference_v4 as ref
 from conftest import tolerance
 from moebalance.config import ConfigError, load_config
+from moebalance.model import attention as attention_module
 from moebalance.model import layers
 from moebalance.model.attention import Attention, Compressor
 from moebalance.model.hyper import HyperConnection, sinkhorn
@@ -148,8 +149,11 @@ def _params_of_attention(attn):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("ratio", [0, 4, 8])
-def test_attention_matches_reference(ratio, packed):
+@pytest.mark.parametrize("ratio,dense_topk", [(0, 4), (4, 4), (4, 0), (8, 4)])
+def test_attention_matches_reference(ratio, dense_topk, packed, monkeypatch):
+    """dense_topk: CSA (ratio 4) attends its 3 chosen of 6 entries densely with the others
+    masked (4) or gathered per query (0)."""
+    monkeypatch.setattr(attention_module, "DENSE_TOPK", dense_topk)
     cfg = load_config("deepseek4-smoke", dict(index_topk=3, sliding_window_size=6))
     dims = attention_dims(cfg, ratio)
     attn = Attention(dims, nnx.Rngs(2))
@@ -167,6 +171,30 @@ def test_attention_matches_reference(ratio, packed):
              q_norm=p["q_norm"], kv_norm=p["kv_norm"])
     want = ref.attention(f64(x[0]), p, c, freqs, seg)
     np.testing.assert_allclose(got[0], want, **tolerance(rtol=2e-4, atol=2e-5))
+
+
+def test_csa_dense_and_gathered_give_the_same_gradients(monkeypatch):
+    """The two ways of attending CSA's chosen entries (Attention.compressed_part) differ only in
+    how they are computed: the same output and gradients (inputs and every weight)."""
+    cfg = load_config("deepseek4-smoke", dict(index_topk=3, sliding_window_size=6))
+    attn = Attention(attention_dims(cfg, 4), nnx.Rngs(2))
+    _randomize(attn)
+    graphdef, params = nnx.split(attn)
+    freqs = layers.rope_frequencies(cfg.qk_rope_head_dim, 10000.0)
+    x = jnp.asarray(RNG.normal(size=(2, 26, cfg.base_emb_dim)), jnp.float32)
+    seg = jnp.asarray(np.repeat([0, 1], [11, 15]))[None].repeat(2, 0)
+    w = jnp.asarray(RNG.normal(size=(2, 26, cfg.base_emb_dim)), jnp.float32)
+
+    def value_and_grads(dense_topk):
+        monkeypatch.setattr(attention_module, "DENSE_TOPK", dense_topk)
+        return jax.value_and_grad(lambda p, x: (nnx.merge(graphdef, p)(
+            x, jnp.arange(26)[None].repeat(2, 0), seg, freqs) * w).sum(), argnums=(0, 1))(
+            params, x)
+
+    dense, gathered = value_and_grads(4), value_and_grads(0)
+    for got, want in zip(jax.tree.leaves(dense), jax.tree.leaves(gathered), strict=True):
+        # float32 sums in another order: gradients of size ~5 agree to ~1e-6
+        np.testing.assert_allclose(got, want, **tolerance(rtol=1e-5, atol=1e-5))
 
 
 CAUSAL = dict(compress_ratios=[0, 4, 8, 4], first_num_hash_layers=1, max_target_length=32,

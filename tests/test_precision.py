@@ -11,10 +11,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from moebalance.config import load_config
-from moebalance.model import decode
+from moebalance.model import attention, decode
 from moebalance.model.transformer import DeepSeekV4, routed_layers
 from moebalance.training.step import losses
 
@@ -73,17 +74,22 @@ def test_routing_and_hyper_connection_dots_are_highest_and_bfloat16_ones_default
     assert all(d[0] == "DEFAULT" for d in bf16), [d for d in bf16 if d[0] != "DEFAULT"]
 
 
-# the attention's logits and its probabilities times values: sliding window, CSA's chosen entries
-ATTENTION = ("bcqhd,bckd->bhcqk", "bcqhk,bckd->bcqhd", "bshd,bskd->bhsk", "bhsk,bskd->bshd")
+# the attention's logits and its probabilities times values: sliding window, then CSA's chosen
+# entries attended densely (all entries, the others masked) or gathered (attention.DENSE_TOPK)
+ATTENTION = {"dense": ("bcqhd,bckd->bhcqk", "bcqhk,bckd->bcqhd", "bshd,bnd->bhsn",
+                       "bhsn,bnd->bshd"),
+             "gathered": ("bshd,bskd->bhsk", "bhsk,bskd->bshd")}
 
 
-def test_attention_dots_take_the_compute_dtype():
+@pytest.mark.parametrize("csa", ["dense", "gathered"])
+def test_attention_dots_take_the_compute_dtype(csa, monkeypatch):
     """The attention's forward dots multiply bfloat16 operands, accumulating in float32 (their
     results feed a float32 softmax), as a TPU computes float32 operands at the default precision
     anyway: no float32 copy of the keys or of CSA's gathered entries is made or kept for the
     backward. (The backward's cotangents are float32, JAX's transpose of a float32 result.)"""
+    monkeypatch.setattr(attention, "DENSE_TOPK", 4 if csa == "dense" else 0)
     found = loss_dots(gradient=False)
-    for spec in ATTENTION:
+    for spec in ATTENTION[csa]:
         mine = [d for d in found if f"/{spec}/" in d[2]]
         assert mine and all(d[1] == ("bf16", "bf16") for d in mine), (spec, mine)
 

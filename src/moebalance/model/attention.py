@@ -16,8 +16,9 @@ lightning indexer keeps the `index_topk` best of those entries per query; on oth
 r = 128) all visible entries are attended.
 
 Cost: the window is computed in chunks of W queries against their own and the previous chunk
-([S, 2W] logits, not [S, S]); CSA layers gather the indexer's top-k entries per query ([S, k]);
-HCA layers attend their S/r entries densely ([S, S/r]). Only the indexer scores all [S, S/4]
+([S, 2W] logits, not [S, S]); CSA layers attend the indexer's top-k entries per query, densely
+with the others masked ([S, S/4]) up to S/4 = 4k entries, else gathered ([S, k]); HCA layers
+attend their S/r entries densely ([S, S/r]). Only the indexer scores all [S, S/4]
 entries (as in DeepSeek's design). Long-context kernels are future work. Cached decoding runs
 the same pieces (queries, keys, compressed_part, output, Compressor.pool) one position at a time
 against a KV cache: model/decode.py.
@@ -35,6 +36,9 @@ from flax import nnx
 from moebalance.model.layers import RMSNorm, apply_rope, constant, dense_init, rms, rope_angles
 
 NEG_INF = -1e30  # finite, so fully masked rows stay NaN-free (the sink keeps the softmax defined)
+# CSA attends all n compressed entries with the unchosen masked, rather than gathering the chosen
+# k per query, while n <= DENSE_TOPK * k (Attention.compressed_part)
+DENSE_TOPK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +179,10 @@ class Indexer(nnx.Module):
                                      dims.rope_dim, dims.eps, rngs)
 
     @jax.named_scope("indexer")
-    def __call__(self, x, qr, cos, sin, keys, visible) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x, qr, cos, sin, keys, visible) -> jax.Array:
         """keys [B, n, dh] (this indexer's compressor's entries), visible [B, S, n] (causality and
-        segments) -> (indices [B, S, k] int32 of the entries each query attends, valid [B, S, k]
-        bool: False where fewer than k are visible)."""
+        segments) -> indices [B, S, k] int32 of the entries each query attends (where fewer than
+        k are visible, the rest are invisible ones: mask them with `visible`)."""
         c = self.dims
         b, s, _ = x.shape
         q = (qr @ self.wq_b[...].astype(qr.dtype)).reshape(b, s, c.index_heads, c.index_head_dim)
@@ -189,8 +193,7 @@ class Indexer(nnx.Module):
         score = jnp.einsum("bsh,bshn->bsn", w, jax.nn.relu(score))  # [B, S, n]
         score = jnp.where(visible, score, -jnp.inf)
         k = min(c.index_topk, keys.shape[1])
-        _, top = jax.lax.top_k(jax.lax.stop_gradient(score), k)  # [B, S, k]
-        return top, jnp.take_along_axis(visible, top, axis=-1)
+        return jax.lax.top_k(jax.lax.stop_gradient(score), k)[1]  # [B, S, k]
 
 
 def dense_part(q, keys, visible, scale: float):
@@ -266,12 +269,22 @@ class Attention(nnx.Module):
     def compressed_part(self, x, qr, q, cos, sin, ckv, index_keys, visible):
         """The compressed entries ckv [B, n, hd] as one attention part (logits, combine): on CSA
         layers the indexer's top-k of the visible [B, S, n] ones (scored against index_keys
-        [B, n, dh]), else every visible one."""
+        [B, n, dh]), else every visible one.
+
+        CSA attends its k chosen entries either densely, all n entries with the unchosen masked
+        (n <= DENSE_TOPK * k: no gather, [S, n] logits), or by gathering them per query ([S, k]
+        logits, [B, S, k, hd] entries): the same softmax either way. A TPU's gathers and their
+        scatter-add gradients cost more than the 4x larger matmuls (docs/performance.md)."""
         scale = self.dims.head_dim ** -0.5
         ckv = ckv.astype(x.dtype)  # the entries are float32 (cached so in decoding)
         if self.indexer is None:  # HCA: every visible entry
             return dense_part(q, ckv, visible, scale)
-        top, valid = self.indexer(x, qr, cos, sin, index_keys, visible)  # [B, S, k]
+        top = self.indexer(x, qr, cos, sin, index_keys, visible)  # [B, S, k]
+        n = ckv.shape[1]
+        if n <= DENSE_TOPK * top.shape[-1]:
+            chosen = (top[..., None] == jnp.arange(n)).any(-2)  # [B, S, n]
+            return dense_part(q, ckv, chosen & visible, scale)
+        valid = jnp.take_along_axis(visible, top, axis=-1)  # [B, S, k]
         entries = jax.vmap(lambda e, i: e[i])(ckv, top)  # [B, S, k, hd]
         clogits = jnp.einsum("bshd,bskd->bhsk", q, entries,
                              preferred_element_type=jnp.float32) * scale
