@@ -39,11 +39,14 @@ def expert_counts(indices: jax.Array, num_experts: int, mask: jax.Array | None =
 
     Returns:
       [E] int32, summing to K * (number of valid tokens).
+
+    Counted by comparing every choice with every expert id (one fused [N*K, E] pass), not by a
+    scatter-add, which a TPU runs one update at a time (~0.4 ms a layer at 24,576 choices).
     """
-    ones = jnp.ones(indices.shape, jnp.int32)
+    hits = (indices[..., None] == jnp.arange(num_experts)).astype(jnp.int32)  # [..., K, E]
     if mask is not None:
-        ones = ones * jnp.broadcast_to(mask, indices.shape[:-1])[..., None].astype(jnp.int32)
-    return jnp.zeros(num_experts, jnp.int32).at[indices.reshape(-1)].add(ones.reshape(-1))
+        hits = hits * jnp.broadcast_to(mask, indices.shape[:-1])[..., None, None].astype(jnp.int32)
+    return hits.reshape(-1, num_experts).sum(0)
 
 
 def _sign_of_mean_minus(counts: jax.Array) -> jax.Array:

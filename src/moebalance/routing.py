@@ -124,8 +124,12 @@ def select_experts(
 def combine_weights(
     scores: jax.Array, indices: jax.Array, *, route_scale: float, normalize: bool
 ) -> jax.Array:
-    """Weights of the chosen experts from the unbiased scores: [..., E], [..., K] -> [..., K] f32."""
-    weights = jnp.take_along_axis(scores, indices, axis=-1)
+    """Weights of the chosen experts from the unbiased scores: [..., E], [..., K] -> [..., K] f32.
+    Picked by comparison with every expert id ([..., K, E] in one fused pass, exact: the other
+    terms are zeros), not a gather: a TPU's gather and its scatter-add gradient cost ~3 ms a
+    d1024 step."""
+    onehot = indices[..., None] == jnp.arange(scores.shape[-1])  # [..., K, E]
+    weights = jnp.where(onehot, scores[..., None, :], 0.0).sum(-1)
     if normalize:
         weights = weights / jnp.maximum(weights.sum(-1, keepdims=True), _MIN_WEIGHT_SUM)
     return weights * route_scale
