@@ -103,7 +103,7 @@ def test_train_and_report_with_expert_parallelism(tmp_path):
 
     moebalance("train", "deepseek4-smoke", "steps=3", "max_target_length=32",
                "per_device_batch_size=2", "ici_fsdp_parallelism=1", "ici_expert_parallelism=4",
-               "--out", str(run))
+               "probe_batches=1", "probe_refit_batches=0", "--out", str(run))  # the steps' loads
     shape = json.loads((run / "expert_counts.json").read_text())["row_shape"]
     counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(-1, *shape)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -20,7 +20,8 @@ from moebalance.training.hooks import Hook
 from moebalance.training.loop import build
 from moebalance.training.sharding import make_mesh
 
-SMOKE = ["steps=3", "max_target_length=16", "per_device_batch_size=2", "checkpoint_period=1"]
+SMOKE = ["steps=3", "max_target_length=16", "per_device_batch_size=2", "checkpoint_period=1",
+         "probe_batches=1", "probe_refit_batches=0"]  # the faults are the training's, not the probe's
 
 
 def run_cli(capsys, *argv) -> tuple[int, str]:
