@@ -25,9 +25,14 @@
 #   bash benchmarks/tpu.sh speed    (~8 minutes) the issue-40 pair: profile_step.py on the 8-layer
 #     2 x 2048 step (device time by part, $OUT/profile-d1024.json) and model_step.py at MaxText's
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
+#   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
+#     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES (default the
-#     whole selection, which needs two device calls: give each about half) -> "tests", JUnit XML
-#     in $OUT/tests.xml, its output in $OUT/tests.txt.
+#     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 the first
+#     95 took 470 s, ~5 s a test, compilation mostly) -> "tests", JUnit XML in $OUT/tests.xml,
+#     its output in $OUT/tests.txt. Two calls: tests/test_generate.py tests/test_cross_entropy.py
+#     tests/test_balancing.py tests/test_export.py tests/test_precision.py tests/test_routing.py,
+#     then tests/test_train_step.py tests/test_moe.py tests/test_model.py tests/test_metrics.py.
 #
 # Each part has its own time limit (opening the chip costs ~15 s per program, and only one
 # program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt
@@ -110,10 +115,21 @@ speed)
         base_num_decoder_layers=9 "compress_ratios=[0,0,4,128,4,128,4,128,4]"
     cat "$OUT/d1024.json"
     ;;
+goals)
+    part 280 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
+        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES: MaxText's shape" $BF16 \
+        base_num_decoder_layers=9 "compress_ratios=[0,0,4,128,4,128,4,128,4]"
+    part 290 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 4 --seq 2048 \
+        --steps 4 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16 \
+        gradient_accumulation_steps=2
+    cat "$OUT/d1024.json"
+    ;;
 tests)
     shift
-    timeout 560 python3 -m pytest -p no:cacheprovider -n 0 --device-tests -q -rf \
-        --durations=20 --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.txt" | tail -60
+    # SIGINT at the limit: pytest stops as on Ctrl-C, and still reports what ran (failures,
+    # durations, the JUnit XML); killed, it reported nothing (2026-12-06: 95 of 188 tests in 470 s)
+    timeout -s INT 540 python3 -m pytest -p no:cacheprovider -n 0 --device-tests -q -rf \
+        --durations=25 --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.txt" | tail -80
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
     ;;
 ab)
@@ -122,7 +138,7 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|tests [FILES]]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|tests [FILES]]" >&2
     exit 2
     ;;
 esac
