@@ -84,14 +84,11 @@ def _forward(h, head, targets, chunk, precision):
         logits = jnp.where(ids < vocab, logits, -jnp.inf)
         new_peak = jnp.maximum(peak, logits.max(axis=-1))
         total = total * jnp.exp(peak - new_peak) + jnp.exp(logits - new_peak[:, None]).sum(-1)
-        # the target's logit where it is in this block: a max over -inf elsewhere is exact (a
-        # sum over zeros is a one-hot product, which XLA may run as a bfloat16 matmul on a TPU)
-        picked = jnp.maximum(picked, jnp.where(ids == targets[:, None], logits, -jnp.inf).max(-1))
+        picked = picked + jnp.where(ids == targets[:, None], logits, 0.0).sum(-1)
         return (new_peak, total, picked), None
 
     num_tokens = h.shape[0]
-    start = (jnp.full(num_tokens, -jnp.inf), jnp.zeros(num_tokens),
-             jnp.full(num_tokens, -jnp.inf))
+    start = (jnp.full(num_tokens, -jnp.inf), jnp.zeros(num_tokens), jnp.zeros(num_tokens))
     (peak, total, picked), _ = jax.lax.scan(one, start, jnp.arange(padded.shape[1] // chunk))
     lse = peak + jnp.log(total)
     return (lse - picked, lse), (h, head, targets, lse)
