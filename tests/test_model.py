@@ -173,6 +173,17 @@ def test_attention_matches_reference(ratio, dense_topk, packed, monkeypatch):
     np.testing.assert_allclose(got[0], want, **tolerance(rtol=2e-4, atol=2e-5))
 
 
+def test_the_indexer_choice_does_not_depend_on_the_sign_of_a_zero_score():
+    """Zero scores tie whatever their sign (top_k alone puts +0 above -0): the best positive
+    entry, then the zeros by index, never an invisible entry; the same choice with the signs of
+    the zeros flipped."""
+    zero = np.array([-0.0, 0.0, -0.0, 0.5, 0.0, -1.0, 2.0], np.float32)
+    visible = jnp.asarray([True, True, True, True, True, True, False])
+    for score in (zero, np.where(zero == 0, -zero, zero)):
+        got = attention_module.top_entries(jnp.asarray(score)[None, None], visible[None, None], 3)
+        assert got[0, 0].tolist() == [3, 0, 1]
+
+
 def test_csa_dense_and_gathered_give_the_same_gradients(monkeypatch):
     """The two ways of attending CSA's chosen entries (Attention.compressed_part) differ only in
     how they are computed: the same output and gradients (inputs and every weight)."""

@@ -191,9 +191,18 @@ class Indexer(nnx.Module):
         w = w * (c.index_head_dim * c.index_heads) ** -0.5  # [B, S, h]
         score = jnp.einsum("bshd,bnd->bshn", q, keys)
         score = jnp.einsum("bsh,bshn->bsn", w, jax.nn.relu(score))  # [B, S, n]
-        score = jnp.where(visible, score, -jnp.inf)
-        k = min(c.index_topk, keys.shape[1])
-        return jax.lax.top_k(jax.lax.stop_gradient(score), k)[1]  # [B, S, k]
+        return top_entries(score, visible, min(c.index_topk, keys.shape[1]))
+
+
+def top_entries(score: jax.Array, visible: jax.Array, k: int) -> jax.Array:
+    """The k best visible entries per query: score, visible [B, S, n] -> indices [B, S, k].
+
+    Ties go to the lower index, and every zero counts as +0 first: top_k orders floats by their
+    bits, +0 above -0, and a score is exactly zero whenever every head's relu is (often, with few
+    index heads), its sign then the product's and sum's way of rounding a zero, which differs
+    between the ways XLA may compute the same einsum (a batched pass, one query at a time)."""
+    score = jnp.where(visible, jnp.where(score == 0.0, 0.0, score), -jnp.inf)
+    return jax.lax.top_k(jax.lax.stop_gradient(score), k)[1]
 
 
 def dense_part(q, keys, visible, scale: float):
