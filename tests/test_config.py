@@ -74,11 +74,9 @@ def test_a_key_without_effect_is_refused_naming_both_keys(override):
 
 def test_a_missing_dataset_path_is_named_before_the_vocabulary():
     """The smoke model's vocab_size (256) is below the default tokenizer_vocab_size (8192), but
-    the first thing to fix is the path to the data."""
-    from moebalance.data import DataError
-
-    with pytest.raises(DataError, match="`dataset_path`: '/nonexistent/data.jsonl' does not "
-                                        "exist"):
+    the first thing to fix is the path to the data: both are named, the path first."""
+    with pytest.raises(ConfigError, match="`dataset_path`: '/nonexistent/data.jsonl' does not "
+                                          "exist.*; then config key `tokenizer_vocab_size`: 8192"):
         load_config("deepseek4-smoke", ["dataset_type=text", "dataset_path=/nonexistent/data.jsonl"])
     with pytest.raises(ConfigError, match="`tokenizer_vocab_size`: 8192 exceeds"):
         load_config("deepseek4-smoke", ["dataset_type=text"])

@@ -432,20 +432,28 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
         if key not in types:
             raise _unknown(key, types)
     values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
-    _check_dataset_path(values)
-    return Config(**values)
+    try:
+        return Config(**values)
+    except ConfigError as err:
+        missing = _missing_dataset_paths(values)
+        if not missing:
+            raise
+        raise ConfigError(f"{missing_path_message(missing[0])}; then {err}") from None
 
 
-def _check_dataset_path(values: dict) -> None:
-    """A `dataset_path` entry of a text or tokens config that does not exist, named before the
-    schema's checks: the first thing to fix (a check such as tokenizer_vocab_size <= vocab_size
-    is moot until the data is there)."""
-    from moebalance.data.errors import missing_path
+def missing_path_message(entry: str) -> str:
+    """What to say of a `dataset_path` entry that does not exist."""
+    return (f"config key `dataset_path`: {entry!r} does not exist; give existing files or "
+            "directories (or [] for the embedded default corpus)")
 
-    if values.get("dataset_type", Config.dataset_type) != "synthetic":
-        for entry in values.get("dataset_path", []):
-            if not Path(entry).expanduser().exists():
-                raise missing_path(entry)
+
+def _missing_dataset_paths(values: dict) -> list[str]:
+    """The `dataset_path` entries of a text or tokens config that do not exist. Named first when
+    the schema refuses the config too: a check such as tokenizer_vocab_size <= vocab_size is moot
+    until the data is there (the data pipeline refuses a missing path of a valid config)."""
+    if values.get("dataset_type", Config.dataset_type) == "synthetic":
+        return []
+    return [e for e in values.get("dataset_path", []) if not Path(e).expanduser().exists()]
 
 
 def describe() -> list[tuple[str, str, Any, str]]:

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+from moebalance.config import missing_path_message
+
 
 class DataError(ValueError):
     """Text data that cannot be used; the message names the config key and the fix."""
@@ -15,5 +17,4 @@ def unreadable(path: Path, err: OSError) -> DataError:
 
 def missing_path(entry: str) -> DataError:
     """The error of a `dataset_path` entry that does not exist."""
-    return DataError(f"config key `dataset_path`: {entry!r} does not exist; give existing files "
-                     "or directories (or [] for the embedded default corpus)")
+    return DataError(missing_path_message(entry))
