@@ -1,0 +1,150 @@
+"""A study's report (moebalance/study.py): from study.json alone, the table of its arms (as
+arXiv 2408.15664's: validation perplexity and MaxVio_global, with MaxVio_batch), the paper's two
+claims checked where the study has both an `aux` and a `loss-free` arm, three figures over the
+steps and one HTML page."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from moebalance.report.page import figure_parts, html_table, write_page
+
+STUDY_FILES = ("study.md", "val_loss.png", "maxvio_global.png", "maxvio_batch.png",
+               "report.html")
+# The paper's 1B-parameter result (arXiv 2408.15664, Table 2): (val PPL, MaxVio_global).
+PAPER = {"aux": (9.56, 0.72), "loss-free": (9.50, 0.04)}
+COLUMNS = ("arm", "overrides", "val loss", "val PPL", "MaxVio_global", "MaxVio_batch",
+           "train loss", "tokens/s")
+
+
+def finished_arms(study: dict) -> list[dict]:
+    arms = [arm for arm in study["arms"] if arm.get("finished")]
+    if not arms:
+        raise ValueError("the study has no finished arm yet: run its command again to continue it")
+    return arms
+
+
+def table_rows(study: dict) -> list[list[str]]:
+    """One row per finished arm: the last validation's values, (min-max over the last ones)."""
+    def spread(arm, key, digits):
+        lo, hi = arm["spread"][key]
+        return f"{arm[key]:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
+
+    return [[arm["name"], " ".join(arm["overrides"]) or "(no balancing)",
+             spread(arm, "val_loss", 4), spread(arm, "val_ppl", 2),
+             spread(arm, "maxvio_global", 3), spread(arm, "maxvio_batch", 3),
+             f"{arm['train_loss']:.4f}", f"{arm['tokens_per_s']:,.0f}"]
+            for arm in finished_arms(study)]
+
+
+def claims(study: dict) -> list[str]:
+    """The paper's two claims, checked on this study's `loss-free` and `aux` arms (none without
+    both): loss-free's MaxVio_global at most 1/4 of aux's and at most 0.1; its validation
+    perplexity at most aux's."""
+    arms = {arm["name"]: arm for arm in finished_arms(study)}
+    if not {"aux", "loss-free"} <= set(arms):
+        return []
+    free, aux = arms["loss-free"], arms["aux"]
+    ratio = free["maxvio_global"] / aux["maxvio_global"] if aux["maxvio_global"] else float("inf")
+    balance = ratio <= 0.25 and free["maxvio_global"] <= 0.1
+    better = free["val_ppl"] <= aux["val_ppl"]
+    return [f"MaxVio_global: loss-free {free['maxvio_global']:.3f}, aux {aux['maxvio_global']:.3f}"
+            f" ({ratio:.2f}x; the paper: {PAPER['loss-free'][1]:.2f} vs {PAPER['aux'][1]:.2f}): "
+            + ("holds (<= 1/4 of aux's and <= 0.1)" if balance else
+               "does not hold (the claim: <= 1/4 of aux's and <= 0.1)"),
+            f"validation perplexity: loss-free {free['val_ppl']:.3f}, aux {aux['val_ppl']:.3f} "
+            f"(the paper: {PAPER['loss-free'][0]:.2f} vs {PAPER['aux'][0]:.2f}): "
+            + ("loss-free's is lower or equal: holds" if better else
+               "loss-free's is higher: does not hold")]
+
+
+def title(study: dict) -> str:
+    return (f"Balancing study: {study['config']} {' '.join(study['overrides'])}, "
+            f"{study['steps']} steps of {study['tokens_per_step']:,} tokens").replace("  ", " ")
+
+
+def format_markdown(study: dict) -> str:
+    lines = [f"# {title(study)}", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+             *("| " + " | ".join(row) + " |" for row in table_rows(study)), "",
+             _table_note(study), "", *(f"- {line}" for line in claims(study))]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _table_note(study: dict) -> str:
+    return (f"The last validation's values, after step {study['steps']} (in brackets: min-max over "
+            "the last 3 validations), averaged over the top-k layers. val loss / PPL: held-out "
+            "cross-entropy and its exp; MaxVio_global: (max - mean) / mean of the expert counts "
+            "over all the validation tokens; MaxVio_batch: that of each training step's batch, "
+            f"the mean over the last {study['eval_period']} steps; train loss likewise; tokens/s: "
+            "the median step.")
+
+
+def _plot(study: dict, path: Path, key: str, label: str, per_step: bool = False) -> Path:
+    fig = Figure(figsize=(7.0, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for i, arm in enumerate(finished_arms(study)):
+        if per_step:
+            values = arm["per_step"][key]
+            ax.plot(range(1, len(values) + 1), values, color=f"C{i % 10}", lw=0.6, alpha=0.35)
+        ax.plot([p["step"] for p in arm["curve"]], [p[key] for p in arm["curve"]],
+                color=f"C{i % 10}", marker="o", ms=3, label=arm["name"])
+    ax.set_xlabel("step")
+    ax.set_ylabel(label)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def study_report(study: dict, out, console=None) -> None:
+    """Write the STUDY_FILES into `out` (replacing the study's own earlier ones) and print the
+    table and the claims on `console` (None prints nothing)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.md").write_text(format_markdown(study))
+    figures = [
+        (_plot(study, out / "val_loss.png", "val_loss", "validation loss"),
+         "Validation loss (held-out cross-entropy) at each validation."),
+        (_plot(study, out / "maxvio_global.png", "maxvio_global", "MaxVio_global"),
+         "MaxVio_global at each validation: the expert counts over all its held-out tokens, the "
+         "mean over the top-k layers."),
+        (_plot(study, out / "maxvio_batch.png", "maxvio_batch", "MaxVio_batch", per_step=True),
+         "MaxVio_batch: each training step's (faint) and its mean between validations (points), "
+         "the mean over the top-k layers.")]
+    parts = [f"<h1>{html.escape(title(study))}</h1>",
+             *(f'<p class="headline">{html.escape(line)}</p>' for line in claims(study)),
+             html_table(list(COLUMNS), table_rows(study), "results"),
+             f"<p>{html.escape(_table_note(study))}</p>", "<h2>Figures</h2>",
+             *figure_parts(figures), "<h2>The study</h2>",
+             f"<pre>{html.escape(json.dumps(_plan(study), indent=1))}</pre>"]
+    write_page(out, title(study), parts)
+    if console is not None:
+        _print(study, console)
+        console.print(f"report written to {out / 'report.html'}; the whole table (overrides, "
+                      f"spreads, losses): {out / 'study.md'}")
+
+
+def _plan(study: dict) -> dict:
+    keys = ("config", "overrides", "date", "steps", "eval_period", "tokens_per_step")
+    return {**{key: study[key] for key in keys},
+            "arms": [{"name": a["name"], "overrides": a["overrides"]} for a in study["arms"]]}
+
+
+def _print(study: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=title(study))
+    shown = [COLUMNS.index(c) for c in ("arm", "val PPL", "MaxVio_global", "MaxVio_batch",
+                                         "tokens/s")]
+    for i in shown:
+        table.add_column(COLUMNS[i], justify="left" if i == 0 else "right")
+    for row in table_rows(study):
+        table.add_row(*(row[i].split(" (")[0] for i in shown))
+    console.print(table)
+    for line in claims(study):
+        console.print(line)

@@ -1,0 +1,173 @@
+"""`moebalance study`: arms, their shared program, the summary of a run, and the whole study on
+the smoke model, stopped by SIGINT and continued by the same command, bit-exactly."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from moebalance import cli
+from moebalance.metrics import load_stats
+from moebalance.rundir import RunDir, RunDirError, RunStopped
+from moebalance.study import ARMS, Arm, arm_configs, arms_from, study, summarize
+from moebalance.training.hooks import Hook
+from moebalance.training.step import _conflicts, shared_programs
+from moebalance.training.evaluate import evaluate
+
+SMOKE = ["steps=4", "eval_period=2", "eval_batches=1", "checkpoint_period=1",
+         "max_target_length=32", "per_device_batch_size=4"]
+
+
+def test_arms_of_the_command_line():
+    assert [a.name for a in arms_from(None)] == ["none", "aux", "loss-free"]
+    mine = arms_from([["quantile"], ["mine", "routed_bias=true", "routed_bias_update_rate=0.01"]])
+    assert mine == [Arm("quantile", ARMS["quantile"]),
+                    Arm("mine", ("routed_bias=true", "routed_bias_update_rate=0.01"))]
+    with pytest.raises(ValueError, match="no built-in arm 'sign'.*--arm sign key=value"):
+        arms_from([["sign"]])
+    with pytest.raises(ValueError, match="folder name"):
+        arms_from([["../up", "routed_bias=true"]])
+    with pytest.raises(ValueError, match="must differ"):
+        arms_from([["aux"], ["aux"]])
+    args = cli.build_parser().parse_args(
+        ["study", "deepseek4-smoke", "steps=8", "--out", "d", "--arm", "aux", "--arm", "mine",
+         "routed_bias=true"])
+    assert args.overrides == ["steps=8"] and args.arm == [["aux"], ["mine", "routed_bias=true"]]
+
+
+def test_every_arm_starts_from_no_balancing_and_the_default_arms_share_one_program():
+    arms = arms_from([["none"], ["aux"], ["loss-free"], ["aux-seq"], ["quantile"]])
+    cfgs = arm_configs("deepseek4-tiny", ["steps=50"], arms)
+    none, aux, free, aux_seq, quantile = cfgs
+    assert (none.routed_bias, none.load_balance_loss_weight, none.global_balance_loss_weight,
+            none.routed_bias_calibration_batches, none.probe_refit_batches) == (False, 0, 0, 0, 0)
+    assert (aux.global_balance_loss_weight, aux.load_balance_loss_weight, aux.routed_bias) == (
+        1e-3, 0, False)
+    assert (aux_seq.load_balance_loss_weight, aux_seq.global_balance_loss_weight) == (1e-3, 0)
+    assert (free.routed_bias, free.routed_bias_update_rule, free.routed_bias_update_rate,
+            free.load_balance_loss_weight) == (True, "sign", 1e-3, 0)
+    assert all(c.eval_period == 5 for c in cfgs)  # a tenth of the steps
+    programs = shared_programs(cfgs)
+    # none, aux and aux-seq run on loss-free's program computing both losses; quantile's
+    # bias rule is its own program
+    assert programs[0] == programs[1] == programs[2] == programs[3] != programs[4]
+    assert (programs[0].routed_bias_update_rule, programs[0].load_balance_loss_weight,
+            programs[0].global_balance_loss_weight) == ("sign", 1e-3, 1e-3)
+    assert programs[4].routed_bias_update_rule == "quantile"
+    assert not any(_conflicts(c, p) for c, p in zip(cfgs, programs))
+    # two rates of one rule: two programs
+    two = arm_configs("deepseek4-tiny", [], [Arm("a", ARMS["loss-free"]),
+                                             Arm("b", ("routed_bias=true",
+                                                       "routed_bias_update_rule=sign",
+                                                       "routed_bias_update_rate=0.01"))])
+    assert len({json.dumps(p.__dict__) for p in shared_programs(two)}) == 2
+
+
+def _record(step, loss, maxvio, validation=None):
+    record = {"step": step, "loss": loss, "tokens_per_s": 100.0 + step,
+              "layers": [{"routing": "hash", "maxvio": 9.0}, {"routing": "topk", "maxvio": maxvio},
+                         {"routing": "topk", "maxvio": 2 * maxvio}]}
+    if validation is not None:
+        record["validation"] = {"loss": validation, "perplexity": float(np.exp(validation)),
+                                "tokens": 64, "maxvio_global": [5.0, validation / 10, 0.5]}
+    return record
+
+
+def test_an_arms_summary_by_hand():
+    records = [_record(0, 4.0, 0.2), _record(1, 3.0, 0.4, validation=3.5),
+               _record(2, 2.0, 0.1), _record(3, 1.0, 0.3), _record(4, 0.5, 0.6, validation=3.0)]
+    arm = summarize(Arm("x", ("a=1",)), records)
+    # the first point: steps 0-1; MaxVio_batch of a step = mean over its top-k layers (1.5 x)
+    first = {"step": 2, "val_loss": 3.5, "val_ppl": pytest.approx(np.exp(3.5)),
+             "maxvio_global": pytest.approx((0.35 + 0.5) / 2),
+             "maxvio_batch": pytest.approx(1.5 * (0.2 + 0.4) / 2), "train_loss": 3.5}
+    last = {"step": 5, "val_loss": 3.0, "val_ppl": pytest.approx(np.exp(3.0)),
+            "maxvio_global": pytest.approx((0.3 + 0.5) / 2),
+            "maxvio_batch": pytest.approx(1.5 * (0.1 + 0.3 + 0.6) / 3),
+            "train_loss": pytest.approx(3.5 / 3)}
+    assert arm["curve"] == [first, last]
+    assert {k: arm[k] for k in last if k != "step"} == {k: v for k, v in last.items()
+                                                        if k != "step"}
+    assert arm["spread"]["val_loss"] == [3.0, 3.5]
+    assert arm["spread"]["maxvio_global"] == [pytest.approx(0.4), pytest.approx(0.425)]
+    assert arm["tokens_per_s"] == 102.0
+    assert arm["layers"]["maxvio_global"] == [5.0, 0.3, 0.5]
+    assert arm["layers"]["maxvio_batch"] == pytest.approx([9.0, 1 / 3, 2 / 3])
+    assert arm["per_step"]["maxvio_batch"] == pytest.approx([0.3, 0.6, 0.15, 0.45, 0.9])
+    with pytest.raises(ValueError, match="validated nowhere"):
+        summarize(Arm("x", ()), records[:1])
+
+
+def test_the_trainers_validation_is_what_eval_measures(tmp_path):
+    """The last step's validation equals `evaluate` of the final checkpoint on as many batches:
+    the same weights and held-out batches, through the one measurement."""
+    from moebalance.config import load_config
+    from moebalance.training.loop import train
+
+    cfg = load_config("deepseek4-smoke", [*SMOKE, "eval_batches=2"])
+    train(cfg, tmp_path / "run")
+    records = RunDir(tmp_path / "run").metrics()
+    assert ["validation" in r for r in records] == [False, True, False, True]
+    measured = evaluate(tmp_path / "run", batches=2)
+    last = records[-1]["validation"]
+    assert last["loss"] == measured["loss"] and last["tokens"] == measured["tokens"]
+    assert last["maxvio_global"] == [row["maxvio_global"] for row in measured["layers"]]
+
+
+class _Interrupt(Hook):
+    """SIGINT to this process after step `step` of the arm run `arm` (the trainer then saves a
+    checkpoint and stops, as when a user presses Ctrl-C)."""
+
+    def __init__(self, step):
+        self.step_at, self.armed = step, True
+
+    def step(self, record, counts):
+        if self.armed and record["step"] == self.step_at:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moebalance_logger):
+    arms = arms_from([["aux"], ["loss-free"]])
+    whole = study("deepseek4-smoke", SMOKE, arms, tmp_path / "whole")
+    with pytest.raises(RunStopped, match="run the same command again"):
+        study("deepseek4-smoke", SMOKE, arms, tmp_path / "cut", hooks=[_Interrupt(1)])
+    cut = json.loads((tmp_path / "cut" / "study.json").read_text())
+    assert [a["finished"] for a in cut["arms"]] == [False, False]
+    assert RunDir(tmp_path / "cut" / "aux").checkpointed_steps() == 2
+    # the same command, again: aux resumes after step 1, loss-free runs
+    command = ["study", "deepseek4-smoke", *SMOKE, "--out", str(tmp_path / "cut"),
+               "--arm", "aux", "--arm", "loss-free"]
+    assert cli.main(command) == 0
+    assert "MaxVio_global: loss-free" in capsys.readouterr().out
+    resumed = json.loads((tmp_path / "cut" / "study.json").read_text())
+    for a, b in zip(whole["arms"], resumed["arms"]):
+        assert {k: v for k, v in a.items() if k != "tokens_per_s"} == {
+            k: v for k, v in b.items() if k != "tokens_per_s"}
+    assert [r["step"] for r in RunDir(tmp_path / "cut" / "aux").metrics()] == [0, 1, 2, 3]
+    assert set(resumed) >= {"config", "steps", "tokens_per_step", "arms"}
+    assert resumed["tokens_per_step"] == 4 * 32 and resumed["steps"] == 4
+    assert set(resumed["arms"][0]) >= {"name", "overrides", "val_loss", "val_ppl",
+                                       "maxvio_global", "maxvio_batch", "tokens_per_s", "curve"}
+    assert [p["step"] for p in resumed["arms"][1]["curve"]] == [2, 4]
+    # MaxVio_global is that of the held-out counts: recomputed from the arm's final checkpoint
+    layers = evaluate(tmp_path / "cut" / "loss-free", batches=1)["layers"]
+    assert resumed["arms"][1]["layers"]["maxvio_global"] == [r["maxvio_global"] for r in layers]
+    metrics = RunDir(tmp_path / "cut" / "loss-free").metrics()
+    counts = np.fromfile(tmp_path / "cut" / "loss-free" / "expert_counts.i32", np.int32)
+    counts = counts.reshape(len(metrics), 4, 8)
+    assert resumed["arms"][1]["per_step"]["maxvio_batch"] == pytest.approx(
+        load_stats(counts)["maxvio"][:, 2:].mean(1))
+    # finished: the same command trains nothing; another plan is refused
+    before = (tmp_path / "cut" / "aux" / "metrics.jsonl").stat().st_mtime_ns
+    assert cli.main(command) == 0
+    assert (tmp_path / "cut" / "aux" / "metrics.jsonl").stat().st_mtime_ns == before
+    with pytest.raises(RunDirError, match="holds another study.*--overwrite"):
+        study("deepseek4-smoke", SMOKE, arms_from(None), tmp_path / "cut")
+    # the report of a study's folder, elsewhere
+    assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep")]) == 0
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert page.count("data:image/png;base64") == 3 and "MaxVio_global: loss-free" in page
+    assert "| loss-free |" in (tmp_path / "rep" / "study.md").read_text()
