@@ -148,6 +148,11 @@ class Config:
     tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
     tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= vocab_size)")
     eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation")
+    eval_period: int = _key(0, "validate every this many steps and after the last: loss, "
+                            "perplexity and per-layer MaxVio_global on the held-out split, in "
+                            "the step's record (0 = off)")
+    eval_batches: int = _key(8, "global batches of the held-out split each validation measures, "
+                             "the same ones every time (at most the split's)")
     data_cache_dir: str = _key("", "where tokenizers and token streams are cached "
                                "('' : $XDG_CACHE_HOME/moebalance or ~/.cache/moebalance)")
     seed: int = _key(0, "seed of the initial weights and the data order")
@@ -265,8 +270,9 @@ def validate(c: Config) -> None:
              "tokenizer_vocab_size", f"{c.tokenizer_vocab_size} exceeds the model's "
              f"vocab_size={c.vocab_size}; lower it or raise vocab_size")
     for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps",
-                "checkpoint_period", "max_num_checkpoints_to_keep"):
+                "checkpoint_period", "max_num_checkpoints_to_keep", "eval_batches"):
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
+    _require(c.eval_period >= 0, "eval_period", f"must be >= 0 (0 = off), got {c.eval_period}")
     _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
              f"must be in [0, 1), got {c.warmup_steps_fraction}")
     ep = c.ici_expert_parallelism

@@ -68,9 +68,9 @@ class RunStopped(Exception):
     continues it. `exit_code` is the shell's for a process ended by that signal (130 for SIGINT,
     143 for SIGTERM), so that schedulers see the run as stopped, not finished."""
 
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint saved, "
-                         "continue with --resume")
+    def __init__(self, signum: int, step: int, how: str = "continue with --resume"):
+        super().__init__(f"stopped by signal {signum} after step {step}; checkpoint saved, {how}")
+        self.signum, self.step = signum, step
         self.exit_code = 128 + signum
 
 

@@ -2,7 +2,7 @@
 of subcommands in a module of its own, which adds its parsers:
 
     training.py     train, eval, generate
-    experiment.py   ab, report, demo
+    experiment.py   ab, study, report, demo
     configs.py      params, plan, keys
     checkpoints.py  convert, export
     options.py      what several subcommands share: -q / -v, --no-compile-cache, CONFIG

@@ -1,9 +1,10 @@
-"""`moebalance ab`, `report` and `demo`: the A/B experiment, reports of finished runs, and the
-model-free balancer simulation."""
+"""`moebalance ab`, `study`, `report` and `demo`: the A/B experiment, the balancing study over a
+real run, reports of finished runs and studies, and the model-free balancer simulation."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from moebalance.cli.options import config_command
 
@@ -23,14 +24,40 @@ def _ab(args) -> int:
     return 0
 
 
+def _study(args) -> int:
+    """Every arm trained from the same weights on the same batches, validated as it goes; the
+    table, the figures, the report; the same command continues a stopped study."""
+    from rich.console import Console
+
+    from moebalance.study import arms_from, study
+
+    study(args.config, args.overrides, arms_from(args.arm), args.out, overwrite=args.overwrite,
+          console=Console(), progress=not args.quiet)
+    return 0
+
+
 def _report(args) -> int:
-    """The comparison table and plots of any finished runs."""
+    """The comparison table and plots of any finished runs, or a study's report."""
+    from pathlib import Path
+
     from rich.console import Console
 
     from moebalance.report import compare_report
+    from moebalance.report.study import STUDY_FILES, study_report
+    from moebalance.study import STUDY
 
-    compare_report(args.run_dirs, args.out, Console(), overwrite=args.overwrite)
-    print(f"report written to {args.out}/report.html")
+    studies = [path for path in map(Path, args.run_dirs) if (path / STUDY).is_file()]
+    if not studies:
+        compare_report(args.run_dirs, args.out, Console(), overwrite=args.overwrite)
+        print(f"report written to {args.out}/report.html")
+        return 0
+    if len(args.run_dirs) > 1:
+        raise ValueError(f"{studies[0]} is a study: report reads one study at a time (or runs)")
+    earlier = [f for f in STUDY_FILES if (Path(args.out) / f).exists()]
+    if earlier and not args.overwrite and Path(args.out).resolve() != studies[0].resolve():
+        raise FileExistsError(f"{args.out} already holds a report ({', '.join(earlier)}); pass "
+                              "--overwrite or choose another --out")
+    study_report(json.loads((studies[0] / STUDY).read_text()), args.out, Console())
     return 0
 
 
@@ -106,11 +133,25 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     mode.add_argument("--overwrite", action="store_true", help="replace the experiment in --out")
     mode.add_argument("--resume", action="store_true", help="finish the experiment in --out")
     ab.set_defaults(func=_ab)
+    study = config_command(sub, "study", common, "deepseek4-tiny",
+                           "balancing methods over a real run: arms (default none, aux, "
+                           "loss-free) trained from the same weights on the same batches, "
+                           "validated every eval_period steps; the table, figures and report; "
+                           "the same command continues a stopped study",
+                           "key=value overrides (apply to every arm)")
+    study.add_argument("--out", required=True, help="the study's directory")
+    study.add_argument("--arm", action="append", nargs="+", metavar=("NAME", "KEY=VALUE"),
+                       help="an arm: a built-in (none, aux, aux-seq, loss-free, "
+                            "loss-free-seq, quantile) or a name and its overrides on top of no "
+                            "balancing; repeat for each (default: none, aux, loss-free)")
+    study.add_argument("--overwrite", action="store_true",
+                       help="replace another study (or anything) in --out")
+    study.set_defaults(func=_study)
     compare = sub.add_parser("report", parents=[common],
                              help="table and plots comparing finished runs")
     compare.add_argument("run_dirs", nargs="+",
-                         help="run directories (from train), or an A/B experiment's directory "
-                              "(its runs)")
+                         help="run directories (from train), an A/B experiment's directory "
+                              "(its runs), or a study's directory")
     compare.add_argument("--out", required=True, help="directory for the report")
     compare.add_argument("--overwrite", action="store_true", help="replace a report in --out")
     compare.set_defaults(func=_report)

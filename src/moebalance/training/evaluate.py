@@ -6,9 +6,6 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
-import numpy as np
-
 from moebalance import data
 from moebalance.metrics import maxvio_global, summed_variance_spread
 from moebalance.model.transformer import routed_layers
@@ -17,6 +14,8 @@ from moebalance.training import checkpoint, sharding
 from moebalance.training.calibration import biases_set_to, first_unused_batch, refit_biases
 from moebalance.training.loop import build
 from moebalance.training.step import make_eval_step
+from moebalance.training.validation import measure as measure_split
+from moebalance.training.validation import split_batches
 
 
 def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
@@ -42,26 +41,14 @@ def evaluate(run_dir: Path, batches: int | None = None, split: str = "eval",
     cfg = run.config()
     mesh = sharding.make_mesh(cfg)
     source = data.batches(cfg, split)
-    if batches is None:
-        per_batch = cfg.gradient_accumulation_steps * source.global_batch
-        batches = max(1, source.num_rows // per_batch) if source.num_rows else 4
+    batches = batches or split_batches(cfg, source)
     model, optimizer = build(cfg, mesh, restoring=True)  # the hash tables come from it too
     step = checkpoint.restore_latest(run.checkpoints, model, optimizer)
     eval_step = make_eval_step(cfg, model, mesh)
 
     def measure(phase):  # -> (CE summed over the valid targets, their number, [n, L, E] counts)
-        ce_sum = n_tokens = 0.0
-        counts = []
-        for i in range(batches):
-            tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
-            for a in range(tokens.shape[0]):
-                out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
-                ce_sum += float(out["ce_sum"])
-                n_tokens += float(out["tokens"])
-                counts.append(np.asarray(out["counts"]))
-            if on_batch is not None:
-                on_batch(phase, i + 1, batches)
-        return ce_sum, n_tokens, np.stack(counts)
+        report = None if on_batch is None else (lambda done: on_batch(phase, done, batches))
+        return measure_split(eval_step, model, mesh, source, batches, report)
 
     ce_sum, n_tokens, counts = measure("measuring")
     loss = ce_sum / n_tokens

@@ -101,12 +101,18 @@ class TensorBoard(Hook):
     def step(self, record, counts):
         step = record["step"]
         for key, value in record.items():
-            if key not in ("step", "layers"):
+            if key not in ("step", "layers", "validation"):
                 self.writer.add_scalar(f"train/{key}", value, step)
         for row in record["layers"]:
             for stat in ("maxvio", "variance", "cv", "rank_imbalance", "bias_std"):
                 if stat in row:
                     self.writer.add_scalar(f"layer_{row['layer']:02d}/{stat}", row[stat], step)
+        if "validation" in record:
+            val = record["validation"]
+            self.writer.add_scalar("validation/loss", val["loss"], step)
+            self.writer.add_scalar("validation/perplexity", val["perplexity"], step)
+            for layer, value in enumerate(val["maxvio_global"]):
+                self.writer.add_scalar(f"layer_{layer:02d}/maxvio_global", value, step)
         self.writer.flush()
 
     def close(self):
@@ -118,6 +124,13 @@ def mean_topk_maxvio(record: dict) -> float:
     """Mean MaxVio over the top-k blocks of a step's record (0 without any)."""
     return float(np.mean([r["maxvio"] for r in record["layers"] if r["routing"] == "topk"]
                          or [0.0]))
+
+
+def mean_topk_maxvio_global(record: dict) -> float:
+    """Mean MaxVio_global of the record's validation over its top-k blocks (0 without any)."""
+    routing = [r["routing"] for r in record["layers"]]
+    return float(np.mean([m for m, kind in zip(record["validation"]["maxvio_global"], routing)
+                          if kind == "topk"] or [0.0]))
 
 
 class ProgressBar(Hook):
@@ -151,7 +164,7 @@ class ProgressBar(Hook):
 
 
 class Printer(Hook):
-    """Notes as they come; after the last step, a table of its per-block balance (unless
+    """Notes as they come; each validation's line; after the last step, a table of its per-block balance (unless
     `per_block` is off)."""
 
     def __init__(self, console, *, per_block: bool = True):
@@ -160,6 +173,13 @@ class Printer(Hook):
 
     def note(self, text):
         self.console.print(text)
+
+    def step(self, record, counts):
+        if "validation" in record:
+            val = record["validation"]
+            self.console.print(f"after step {record['step']}: validation loss {val['loss']:.4f} "
+                               f"(perplexity {val['perplexity']:.2f}, {val['tokens']} tokens), "
+                               f"MaxVio_global {mean_topk_maxvio_global(record):.3f} (top-k mean)")
 
     def end(self, record):
         if not self.per_block:

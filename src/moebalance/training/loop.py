@@ -2,7 +2,9 @@
 
 `train` runs `cfg.steps` steps into a run directory (its files: moebalance/rundir.py). What the
 run shows and logs attaches as hooks (training/hooks.py); the bias calibration after the last step
-and the refit are in training/calibration.py.
+and the refit are in training/calibration.py. With `eval_period`, the held-out split is measured
+every that many steps and after the last (training/validation.py): the step's record then holds
+`validation`.
 
 Once the steps run, SIGINT / SIGTERM finish the current step, save a checkpoint and raise
 RunStopped; `resume=True` continues from the latest checkpoint, bit-exactly (the data of a step is
@@ -38,6 +40,7 @@ from moebalance.training.calibration import calibration_batches, final_probe, pr
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
 from moebalance.training.step import (make_eval_step, make_optimizer, make_train_step,
                                       schedule_changes)
+from moebalance.training.validation import Validation
 
 
 def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
@@ -68,8 +71,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         changed = _change_steps(cfg, run, planned, first, model) if planned != cfg.steps else None
         step_fn = make_train_step(cfg, model, mesh, program)
         eval_step = make_eval_step(cfg, model, mesh)
-        routing = ["topk" if i in routed_layers(model) else "hash"
-                   for i in range(cfg.base_num_decoder_layers)]
+        routing = layer_routing(cfg, model)
+        validation = Validation(cfg, mesh, eval_step)
         tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
         if first == 0:  # every process measures (collectives), process 0 writes
             counts = probe_counts(eval_step, model, probes)
@@ -87,6 +90,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
                 metrics = jax.device_get(step_fn(model, optimizer, *batch))
                 record, counts = step_record(step, metrics, time.perf_counter() - start, tokens,
                                              routing, mesh.shape["expert"])
+                validation.attach(record, model)
                 sinks.step(record, counts)
                 if step + 1 == cfg.steps:
                     _measure_final(cfg, model, mesh, eval_step, probes, train_data, run=run,
@@ -98,6 +102,12 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             if record:
                 sinks.end(record)
     return record
+
+
+def layer_routing(cfg: Config, model) -> list[str]:
+    """Per MoE block, how it routes: 'topk' (learned, balanced) or 'hash' (a fixed table)."""
+    routed = routed_layers(model)
+    return ["topk" if i in routed else "hash" for i in range(cfg.base_num_decoder_layers)]
 
 
 def _change_steps(cfg: Config, run: RunDir, planned: int, first: int, model) -> str:

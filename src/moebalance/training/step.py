@@ -211,20 +211,60 @@ def lower_train_step(cfg: Config, model: DeepSeekV4, optimizer, tokens, mask, se
         return run.__wrapped__.lower(model, optimizer, tokens, mask, segment_ids, values)
 
 
-def _check_switchable(cfg: Config, program: Config) -> None:
-    """`cfg` runs on `program`'s step: equal but for SWITCHES, its bias either off or the
-    program's, and no balance loss that the program does not compute."""
+# Keys that only shape the bias update: a config whose bias is off may differ from its program's.
+BIAS_KEYS = ("routed_bias_update_rule", "routed_bias_freeze_step",
+             "routed_bias_update_rate_final_fraction")
+_LOSSES = ("load_balance_loss_weight", "global_balance_loss_weight")
+
+
+def _uses_bias(cfg: Config) -> bool:
+    return bool(cfg.routed_bias and cfg.routed_bias_update_rate != 0)
+
+
+def _conflicts(cfg: Config, program: Config) -> list[str]:
+    """The keys that keep `cfg` from running on `program`'s step: any but SWITCHES that differ
+    (BIAS_KEYS too, where cfg's bias is on), a bias update other than the program's, a balance
+    loss that the program does not compute."""
+    free = SWITCHES + (() if _uses_bias(cfg) else BIAS_KEYS)
     differs = [f.name for f in dataclasses.fields(Config)
-               if f.name not in SWITCHES and getattr(cfg, f.name) != getattr(program, f.name)]
-    if cfg.routed_bias and cfg.routed_bias_update_rate and (
-            cfg.routed_bias_update_rate != program.routed_bias_update_rate
-            or not program.routed_bias):
+               if f.name not in free and getattr(cfg, f.name) != getattr(program, f.name)]
+    if _uses_bias(cfg) and (cfg.routed_bias_update_rate != program.routed_bias_update_rate
+                            or not program.routed_bias):
         differs.append("routed_bias_update_rate")
-    differs += [key for key in ("load_balance_loss_weight", "global_balance_loss_weight")
-                if getattr(cfg, key) and not getattr(program, key)]
+    return differs + [key for key in _LOSSES if getattr(cfg, key) and not getattr(program, key)]
+
+
+def _check_switchable(cfg: Config, program: Config) -> None:
+    differs = _conflicts(cfg, program)
     if differs:
         raise ValueError(f"this config cannot run on a step compiled for another: {differs} "
                          "differ (a shared step switches the bias off and reweights its losses)")
+
+
+def shared_programs(cfgs: list[Config]) -> list[Config]:
+    """The program (make_train_step's `program`) of each config: configs that differ only in
+    their balancing (SWITCHES, and BIAS_KEYS where the bias is off) share one, compiled once,
+    with the bias update of its members' that use one and every balance loss any of them
+    weights. E.g. no balancing, an auxiliary loss and a bias rule: one program."""
+    groups: list[list[int]] = []
+    for i in range(len(cfgs)):
+        for members in groups:
+            program = _program([cfgs[j] for j in [*members, i]])
+            if not any(_conflicts(cfgs[j], program) for j in [*members, i]):
+                members.append(i)
+                break
+        else:
+            groups.append([i])
+    programs = {j: _program([cfgs[m] for m in members]) for members in groups for j in members}
+    return [programs[i] for i in range(len(cfgs))]
+
+
+def _program(group: list[Config]) -> Config:
+    """A group's program: the first biased config's (else the first's), computing every balance
+    loss that any member weights (the weights themselves are run-time values)."""
+    base = next((cfg for cfg in group if _uses_bias(cfg)), group[0])
+    return dataclasses.replace(base, **{key: max(getattr(cfg, key) for cfg in group)
+                                        for key in _LOSSES})
 
 
 @functools.cache
