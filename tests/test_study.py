@@ -66,7 +66,7 @@ def test_every_arm_starts_from_no_balancing_and_the_default_arms_share_one_progr
 
 
 def _record(step, loss, maxvio, validation=None):
-    record = {"step": step, "loss": loss, "tokens_per_s": 100.0 + step,
+    record = {"step": step, "ce": loss, "loss": loss + 0.5, "tokens_per_s": 100.0 + step,
               "layers": [{"routing": "hash", "maxvio": 9.0}, {"routing": "topk", "maxvio": maxvio},
                          {"routing": "topk", "maxvio": 2 * maxvio}]}
     if validation is not None:

@@ -172,9 +172,9 @@ def _write(out: Path, result: dict) -> None:
 def summarize(arm: Arm, records: list[dict]) -> dict:
     """An arm's result from its run's step records: the curve (one point per validation: the
     steps done, validation loss and perplexity, MaxVio_global, and the mean MaxVio_batch and
-    training loss of the steps since the previous point), the last point's values, their spread
+    training cross-entropy (without balance losses) of the steps since the previous point), the last point's values, their spread
     (min, max) over the last LAST_EVALS points, per layer the last MaxVio_global and MaxVio_batch,
-    the median tokens/s, and the per-step training loss and MaxVio_batch."""
+    the median tokens/s, and the per-step training cross-entropy and MaxVio_batch."""
     routing = [row["routing"] for row in records[0]["layers"]]
     topk = [i for i, kind in enumerate(routing) if kind == "topk"]
     batch = np.array([[row["maxvio"] for row in r["layers"]] for r in records])  # [steps, L]
@@ -188,7 +188,7 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
                       "val_ppl": r["validation"]["perplexity"],
                       "maxvio_global": _mean([glob[i] for i in topk]),
                       "maxvio_batch": _mean(batch[window][:, topk].mean(1)),
-                      "train_loss": _mean([x["loss"] for x in records[window]]),
+                      "train_loss": _mean([x["ce"] for x in records[window]]),
                       "layers": {"maxvio_global": glob,
                                  "maxvio_batch": batch[window].mean(0).tolist()}})
         since = n + 1
@@ -203,7 +203,7 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
             "routing": routing, "layers": last["layers"],
             "curve": [{k: v for k, v in p.items() if k != "layers"} for p in curve],
-            "per_step": {"loss": [r["loss"] for r in records],
+            "per_step": {"loss": [r["ce"] for r in records],
                          "maxvio_batch": [_mean(row[topk]) for row in batch]}}
 
 

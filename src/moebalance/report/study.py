@@ -63,8 +63,8 @@ def claims(study: dict) -> list[str]:
 
 
 def title(study: dict) -> str:
-    return (f"Balancing study: {study['config']} {' '.join(study['overrides'])}, "
-            f"{study['steps']} steps of {study['tokens_per_step']:,} tokens").replace("  ", " ")
+    command = " ".join([study["config"], *study["overrides"]])
+    return f"Balancing study: {command}, {study['steps']} steps of {study['tokens_per_step']:,} tokens"
 
 
 def format_markdown(study: dict) -> str:
@@ -80,8 +80,8 @@ def _table_note(study: dict) -> str:
             "the last 3 validations), averaged over the top-k layers. val loss / PPL: held-out "
             "cross-entropy and its exp; MaxVio_global: (max - mean) / mean of the expert counts "
             "over all the validation tokens; MaxVio_batch: that of each training step's batch, "
-            f"the mean over the last {study['eval_period']} steps; train loss likewise; tokens/s: "
-            "the median step.")
+            f"the mean over the last {study['eval_period']} steps; train loss: the training "
+            "cross-entropy (without balance losses) likewise; tokens/s: the median step.")
 
 
 def _plot(study: dict, path: Path, key: str, label: str, per_step: bool = False) -> Path:
