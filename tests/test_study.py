@@ -3,6 +3,7 @@ the smoke model, stopped by SIGINT and continued by the same command, bit-exactl
 
 import json
 import os
+import shutil
 import signal
 
 import numpy as np
@@ -160,10 +161,15 @@ def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moe
     counts = counts.reshape(len(metrics), 4, 8)
     assert resumed["arms"][1]["per_step"]["maxvio_batch"] == pytest.approx(
         load_stats(counts)["maxvio"][:, 2:].mean(1))
-    # finished: the same command trains nothing; another plan is refused
-    before = (tmp_path / "cut" / "aux" / "metrics.jsonl").stat().st_mtime_ns
+    # finished: the same command trains nothing, also where the arm's run directory is gone
+    # (study.json records it: a study moves between machines without its checkpoints)
+    before = (tmp_path / "cut" / "loss-free" / "metrics.jsonl").stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "cut" / "aux")
     assert cli.main(command) == 0
-    assert (tmp_path / "cut" / "aux" / "metrics.jsonl").stat().st_mtime_ns == before
+    assert (tmp_path / "cut" / "loss-free" / "metrics.jsonl").stat().st_mtime_ns == before
+    assert not (tmp_path / "cut" / "aux").exists()
+    assert json.loads((tmp_path / "cut" / "study.json").read_text()) == resumed
+    # another plan is refused
     with pytest.raises(RunDirError, match="holds another study.*--overwrite"):
         study("deepseek4-smoke", SMOKE, arms_from(None), tmp_path / "cut")
     # the report of a study's folder, elsewhere

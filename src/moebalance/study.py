@@ -10,7 +10,9 @@ numbers average the top-k layers (hash-routed layers follow a fixed table, the s
 
 DIR holds one run directory per arm (DIR/<arm>), study.json (the plan, then each arm's result)
 and the report (report/study.py). Running the same command again continues a stopped study: the
-finished arms are kept, an unfinished one resumes from its latest checkpoint, bit-exactly.
+arms study.json records as finished are kept (their run directories are no longer read: a study
+can move to another machine as study.json alone), an unfinished one resumes from its latest
+checkpoint, bit-exactly.
 """
 
 from __future__ import annotations
@@ -115,10 +117,12 @@ def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, 
     result = _start(out, plan, cfgs[0], overwrite)
     for i, (arm, cfg, program) in enumerate(zip(arms, cfgs, shared_programs(cfgs))):
         run = RunDir(out / arm.name)
+        if result["arms"][i]["finished"]:  # recorded: its run directory is no longer needed
+            continue
         if console is not None:
             what = " ".join(arm.overrides) or "no balancing"
             console.rule(f"arm {i + 1}/{len(arms)}, {arm.name}: {what} ({run.path})")
-        if not (run.has_checkpoint() and run.finished(cfg.steps)):
+        if not run.finished(cfg.steps):
             shown = terminal(console, bar=progress, per_block=False) if console else []
             try:
                 train(cfg, run.path, resume=run.has_checkpoint(), overwrite=True,
