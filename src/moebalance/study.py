@@ -24,6 +24,7 @@ import re
 import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from moebalance.atomic import write_atomic
@@ -132,7 +133,8 @@ def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, 
                                  "continue the study") from None
         result["arms"][i] = summarize(arm, run.metrics())
         _write(out, result)
-    study_report(result, out, console)
+    if jax.process_index() == 0:
+        study_report(result, out, console)
     return result
 
 
@@ -151,11 +153,12 @@ def _start(out: Path, plan: dict, cfg: Config, overwrite: bool) -> dict:
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise RunDirError(f"{out} is not empty and holds no {STUDY}; pass --overwrite to "
                           "replace what it holds or choose another --out")
-    tokens = cfg.gradient_accumulation_steps * cfg.per_device_batch_size * cfg.max_target_length
+    tokens = (cfg.gradient_accumulation_steps * cfg.per_device_batch_size * jax.device_count()
+              * cfg.max_target_length)
     result = {**plan, "date": datetime.date.today().isoformat(), "steps": cfg.steps,
               "eval_period": cfg.eval_period, "tokens_per_step": tokens,
               "arms": [{**arm, "finished": False} for arm in plan["arms"]]}
-    for arm in plan["arms"] if overwrite else ():
+    for arm in plan["arms"] if overwrite and jax.process_index() == 0 else ():
         if (out / arm["name"]).is_dir():
             shutil.rmtree(out / arm["name"])
     _write(out, result)
@@ -170,15 +173,18 @@ def _plan(study: dict) -> dict:
 
 
 def _write(out: Path, result: dict) -> None:
-    write_atomic(out / STUDY, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
+    """study.json, atomically, by process 0 (on several hosts every process runs the study)."""
+    if jax.process_index() == 0:
+        write_atomic(out / STUDY, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
 
 
 def summarize(arm: Arm, records: list[dict]) -> dict:
     """An arm's result from its run's step records: the curve (one point per validation: the
     steps done, validation loss and perplexity, MaxVio_global, and the mean MaxVio_batch and
-    training cross-entropy (without balance losses) of the steps since the previous point), the last point's values, their spread
-    (min, max) over the last LAST_EVALS points, per layer the last MaxVio_global and MaxVio_batch,
-    the median tokens/s, and the per-step training cross-entropy and MaxVio_batch."""
+    training cross-entropy (without balance losses) of the steps since the previous point), the
+    last point's values, their spread (min, max) over the last LAST_EVALS points, per layer the
+    last MaxVio_global and MaxVio_batch, the median tokens/s, and the per-step training
+    cross-entropy and MaxVio_batch."""
     routing = [row["routing"] for row in records[0]["layers"]]
     topk = [i for i, kind in enumerate(routing) if kind == "topk"]
     batch = np.array([[row["maxvio"] for row in r["layers"]] for r in records])  # [steps, L]

@@ -64,7 +64,8 @@ def claims(study: dict) -> list[str]:
 
 def title(study: dict) -> str:
     command = " ".join([study["config"], *study["overrides"]])
-    return f"Balancing study: {command}, {study['steps']} steps of {study['tokens_per_step']:,} tokens"
+    return (f"Balancing study: {command}, {study['steps']} steps of "
+            f"{study['tokens_per_step']:,} tokens")
 
 
 def format_markdown(study: dict) -> str:
