@@ -4,7 +4,8 @@ file is read) and by the tests' own subprocesses:
 - glibc's huge-page malloc tunable, as the `moebalance` command sets it (moebalance.runtime);
 - XLA's CPU backend at its lowest LLVM optimisation: the tests run tiny models, whose time is
   compilation (halved by these flags), not execution; what they check does not depend on it
-  (not with --device-tests: an accelerator's compiler runs as it does in training);
+  (not with --device-tests: an accelerator's compiler runs as it does in training); and the
+  simulated devices' collectives patient with a loaded machine;
 - `--device-tests`: only the numerics tests (marker `numerics`: the files in NUMERICS), for a run
   on an accelerator in one process (`-n 0`); `tolerance()` widens their float tolerances there;
 - `moebalance_logger`, for the tests that run cli.main;
@@ -19,6 +20,10 @@ import pytest
 from moebalance.runtime import hugepage_malloc_env
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The simulated devices' collectives wait 10 minutes for each other, not XLA's 40 s: on a loaded
+# 2-core machine (two workers, eight device threads each) one thread can be starved that long, and
+# XLA then aborts the process (seen once in test_sharding's 2 x 2 x 2 mesh, 2026-12-06)
+PATIENT_COLLECTIVES = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
 # what the model computes: routing, balancing, the layers and model, the training step, decoding
 # and the exported model's logits
 NUMERICS = {"test_routing.py", "test_balancing.py", "test_metrics.py", "test_moe.py",
@@ -43,7 +48,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "numerics: what the model computes (--device-tests)")
     if not config.getoption("--device-tests") and FAST_COMPILE not in os.environ.get(
             "XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} "
+                                   f"{PATIENT_COLLECTIVES}").strip()
 
 
 def pytest_collection_modifyitems(config, items):
