@@ -27,6 +27,8 @@
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
+#     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES (default the
 #     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 the first
 #     95 took 470 s, ~5 s a test, compilation mostly) -> "tests", JUnit XML in $OUT/tests.xml,
@@ -132,13 +134,17 @@ tests)
         --durations=25 --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.txt" | tail -80
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
     ;;
+functions)
+    python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
+    cat "$OUT/functions.json"
+    ;;
 ab)
     start=$SECONDS
     part 480 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|tests [FILES]]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac

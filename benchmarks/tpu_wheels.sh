@@ -19,5 +19,7 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo pyth
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl-tpu \
     flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 grain==0.2.18 array-record portpicker \
     treescope humanize simplejson aiofiles prometheus-client uvloop etils cloudpickle msgpack \
-    tensorboardX==2.6.5 psutil rich==15.0.0 markdown-it-py mdurl pygments absl-py
+    tensorboardX==2.6.5 psutil rich==15.0.0 markdown-it-py mdurl pygments absl-py \
+    pytest==9.2.0 pytest-xdist==3.8.0 execnet pluggy iniconfig hypothesis==6.170.17 \
+    sortedcontainers attrs
 du -sh .whl-tpu && ls .whl-tpu

@@ -75,16 +75,23 @@ def route_token(s, b, k, route_scale, n_groups, topk_groups, normalize):
 
 
 def route(logits, bias, k, score_fn, route_scale=1.0, n_groups=0, topk_groups=0, normalize=None):
+    """-> (indices, weights, scores, ambiguous) of the logits, scored in float64."""
     if normalize is None:
         normalize = score_fn != "softmax"
     s = scores(logits, score_fn)
+    idx, w, ambiguous = route_scores(s, bias, k, route_scale, n_groups, topk_groups, normalize)
+    return idx, w, s, ambiguous
+
+
+def route_scores(s, bias, k, route_scale, n_groups, topk_groups, normalize):
+    """The selection and weights given the scores s [..., E] -> (indices, weights, ambiguous)."""
     flat = s.reshape(-1, s.shape[-1])
     b = np.zeros(s.shape[-1], np.float32) if bias is None else np.asarray(bias, np.float32)
     out = [route_token(row, b, k, route_scale, n_groups, topk_groups, normalize) for row in flat]
     idx = np.stack([o[0] for o in out]).reshape(*s.shape[:-1], k)
     w = np.stack([o[1] for o in out]).reshape(*s.shape[:-1], k)
     ambiguous = np.array([o[2] for o in out]).reshape(s.shape[:-1])
-    return idx, w, s, ambiguous
+    return idx, w, ambiguous
 
 
 def counts(indices, num_experts, mask=None):

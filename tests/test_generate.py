@@ -1,3 +1,5 @@
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -5,6 +7,7 @@ from flax import nnx
 from conftest import tolerance
 from moebalance import generate
 from moebalance.config import load_config
+from moebalance.model import decode
 from moebalance.model.transformer import DeepSeekV4
 
 
@@ -106,3 +109,19 @@ def test_load_names_what_is_missing(tmp_path):
     (tmp_path / "config.yaml").write_text("dataset_type: synthetic\n")
     with pytest.raises(FileNotFoundError, match="only runs on text data"):
         generate.load(tmp_path)
+
+
+def test_overlap_slots_equal_the_two_slices_side_by_side():
+    """The slots an overlapping (r = 4) entry pools in a decode step, as the step computes them
+    (a position written into the unfinished block, then the previous block's first d channels and
+    this block's last d): on a TPU v5e, XLA compiled the former concatenation of the two slices
+    wrong, the cause of cached decoding parting from the full pass there (docs/distributed.md)."""
+    r, d = 4, 16
+    rng = np.random.default_rng(0)
+    state = rng.normal(size=(1, 2 * r, 2 * d)).astype(np.float32)
+    new = rng.normal(size=(1, 1, 2 * d)).astype(np.float32)
+    got = jax.jit(lambda s, n, t: decode._overlap_slots(jax.lax.dynamic_update_slice_in_dim(
+        s, n, r + t % r, axis=1), r, d))(state, new, jnp.int32(3))
+    want = state.copy()
+    want[:, r + 3] = new[:, 0]
+    np.testing.assert_array_equal(got, np.concatenate([want[:, :r, :d], want[:, r:, d:]], 1))

@@ -213,16 +213,23 @@ def _attend(attn: Attention, x, cache: LayerCache, t, freqs):
     return attn.output(parts, cos, sin), LayerCache(window, compressor, indexer)
 
 
+def _overlap_slots(a: jax.Array, r: int, d: int) -> jax.Array:
+    """a [B, 2r, 2d] (the previous block's r slots, then this block's) -> [B, 2r, d]: the previous
+    block's first d channels, then this block's last d, the slots an overlapping entry pools.
+
+    A select, not jnp.concatenate([a[:, :r, :d], a[:, r:, d:]], 1): XLA compiles that
+    concatenation wrong for a TPU v5e (JAX 0.10.2; values from other slots and channels, found by
+    bisecting cached decoding on the chip, docs/distributed.md); the select is the same array."""
+    return jnp.where((jnp.arange(2 * r) < r)[:, None], a[..., :d], a[..., d:])
+
+
 def _compress(comp: Compressor, cache: CompressorCache, x, t, freqs) -> CompressorCache:
     """Position t (x [B, 1, D]) into the unfinished block; when it is the block's last, the block's
     entry is written and (overlapping compressor) the block becomes the previous one."""
     r, d, prev = comp.ratio, comp.dim, _previous(comp)
     kv, score = (jax.lax.dynamic_update_slice_in_dim(state, new, prev + t % r, axis=1)
                  for state, new in zip((cache.kv, cache.score), _project(comp, x, t)))
-    if comp.overlap:  # the previous block's first d channels, then this block's last d
-        pooled = [jnp.concatenate([a[:, :r, :d], a[:, r:, d:]], axis=1) for a in (kv, score)]
-    else:
-        pooled = [kv, score]
+    pooled = [_overlap_slots(a, r, d) for a in (kv, score)] if comp.overlap else [kv, score]
     entry = comp.pool(pooled[0][:, None], pooled[1][:, None], (t // r * r)[None], freqs)
     done = (t + 1) % r == 0
     entries = jnp.where(done, jax.lax.dynamic_update_slice_in_dim(cache.entries, entry, t // r,
