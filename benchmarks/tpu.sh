@@ -144,7 +144,8 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|functions|tests [FILES]]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|functions|tests" \
+        "[FILES]]" >&2
     exit 2
     ;;
 esac
