@@ -168,3 +168,10 @@ def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moe
     page = (tmp_path / "rep" / "report.html").read_text()
     assert page.count("data:image/png;base64") == 3 and "MaxVio_global: loss-free" in page
     assert "| loss-free |" in (tmp_path / "rep" / "study.md").read_text()
+    # a report is never replaced silently, but for the study's own, rebuilt in its folder
+    capsys.readouterr()
+    assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep")]) == 2
+    assert "rep already holds a report (study.md" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep"),
+                     "--overwrite"]) == 0
+    assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "cut")]) == 0

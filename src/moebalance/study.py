@@ -30,7 +30,7 @@ import numpy as np
 from moebalance.atomic import write_atomic
 from moebalance.config import Config, load_config
 from moebalance.rundir import RunDir, RunDirError, RunStopped
-from moebalance.training.hooks import terminal
+from moebalance.training.hooks import mean_topk_maxvio, mean_topk_maxvio_global, terminal
 from moebalance.training.loop import train
 from moebalance.training.step import shared_programs
 
@@ -186,8 +186,8 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
     last MaxVio_global and MaxVio_batch, the median tokens/s, and the per-step training
     cross-entropy and MaxVio_batch."""
     routing = [row["routing"] for row in records[0]["layers"]]
-    topk = [i for i, kind in enumerate(routing) if kind == "topk"]
     batch = np.array([[row["maxvio"] for row in r["layers"]] for r in records])  # [steps, L]
+    per_step = [mean_topk_maxvio(r) for r in records]
     curve, since = [], 0
     for n, r in enumerate(records):
         if "validation" not in r:
@@ -196,8 +196,8 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
         glob = r["validation"]["maxvio_global"]
         curve.append({"step": r["step"] + 1, "val_loss": r["validation"]["loss"],
                       "val_ppl": r["validation"]["perplexity"],
-                      "maxvio_global": _mean([glob[i] for i in topk]),
-                      "maxvio_batch": _mean(batch[window][:, topk].mean(1)),
+                      "maxvio_global": mean_topk_maxvio_global(r),
+                      "maxvio_batch": _mean(per_step[window]),
                       "train_loss": _mean([x["ce"] for x in records[window]]),
                       "layers": {"maxvio_global": glob,
                                  "maxvio_batch": batch[window].mean(0).tolist()}})
@@ -214,7 +214,7 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
             "routing": routing, "layers": last["layers"],
             "curve": [{k: v for k, v in p.items() if k != "layers"} for p in curve],
             "per_step": {"loss": [r["ce"] for r in records],
-                         "maxvio_batch": [_mean(row[topk]) for row in batch]}}
+                         "maxvio_batch": per_step}}
 
 
 def _mean(values) -> float:

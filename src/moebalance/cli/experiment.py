@@ -43,7 +43,7 @@ def _report(args) -> int:
     from rich.console import Console
 
     from moebalance.report import compare_report
-    from moebalance.report.study import STUDY_FILES, study_report
+    from moebalance.report.study import study_report
     from moebalance.study import STUDY
 
     studies = [path for path in map(Path, args.run_dirs) if (path / STUDY).is_file()]
@@ -53,11 +53,9 @@ def _report(args) -> int:
         return 0
     if len(args.run_dirs) > 1:
         raise ValueError(f"{studies[0]} is a study: report reads one study at a time (or runs)")
-    earlier = [f for f in STUDY_FILES if (Path(args.out) / f).exists()]
-    if earlier and not args.overwrite and Path(args.out).resolve() != studies[0].resolve():
-        raise FileExistsError(f"{args.out} already holds a report ({', '.join(earlier)}); pass "
-                              "--overwrite or choose another --out")
-    study_report(json.loads((studies[0] / STUDY).read_text()), args.out, Console())
+    # a study's own folder holds its own report, rebuilt in place
+    study_report(json.loads((studies[0] / STUDY).read_text()), args.out, Console(),
+                 overwrite=args.overwrite or Path(args.out).resolve() == studies[0].resolve())
     return 0
 
 

@@ -46,8 +46,10 @@ def _tokens_per_step(config: dict) -> int:
             config["max_target_length"])
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    existing = [f for f in REPORT_FILES if (out / f).exists()]
+def prepare_out(out: Path, overwrite: bool, files=REPORT_FILES) -> None:
+    """Make the directory `out`, refusing (unless overwrite) one that holds any of a report's
+    `files` already."""
+    existing = [f for f in files if (out / f).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{out} already holds a report ({', '.join(existing)}); pass "
                               "overwrite=True (--overwrite) or choose another output directory")
@@ -87,7 +89,7 @@ def ab_report(run_a, run_b, out, console=None, *, overwrite: bool = False) -> di
         raise ValueError(f"Run A stopped at step {a.final_step} with routing {a.routing}, Run B at "
                          f"step {b.final_step} with {b.routing}: compare runs of the same length "
                          "and model")
-    _prepare_out(out, overwrite)
+    prepare_out(out, overwrite)
     table = layer_table(a.step0, a.final, b.final, a.routing, a.tokens,
                         a.config["num_experts_per_tok"], max(a.ranks, b.ranks), b.refit,
                         b.online)
@@ -126,7 +128,7 @@ def compare_report(runs, out, console=None, *, overwrite: bool = False) -> dict:
                 first.config["num_experts_per_tok"]):
             raise ValueError(f"{run.name} and {first.name} differ in routing, [layers, experts], "
                              "probe tokens or K: their variances are not comparable")
-    _prepare_out(out, overwrite)
+    prepare_out(out, overwrite)
     pairs = [(run.name, run) for run in loaded]
     table = compare_table(pairs)
     if all(run.probe_set for run in loaded) and len(

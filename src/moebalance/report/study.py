@@ -11,6 +11,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from moebalance.report import prepare_out
 from moebalance.report.page import figure_parts, html_table, write_page
 
 STUDY_FILES = ("study.md", "val_loss.png", "maxvio_global.png", "maxvio_batch.png",
@@ -102,11 +103,11 @@ def _plot(study: dict, path: Path, key: str, label: str, per_step: bool = False)
     return path
 
 
-def study_report(study: dict, out, console=None) -> None:
-    """Write the STUDY_FILES into `out` (replacing the study's own earlier ones) and print the
-    table and the claims on `console` (None prints nothing)."""
+def study_report(study: dict, out, console=None, *, overwrite: bool = True) -> None:
+    """Write the STUDY_FILES into `out` (replacing earlier ones; overwrite False: refusing to)
+    and print the table and the claims on `console` (None prints nothing)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out, overwrite, STUDY_FILES)
     (out / "study.md").write_text(format_markdown(study))
     figures = [
         (_plot(study, out / "val_loss.png", "val_loss", "validation loss"),
