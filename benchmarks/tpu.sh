@@ -21,7 +21,8 @@
 #     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
 #     same width (shared/peers/maxtext-tpu copied into .peer/ and carried), its steps -> "peer";
-#   bash benchmarks/tpu.sh ab       `moebalance ab deepseek4-tiny` on the chip -> "ab".
+#   bash benchmarks/tpu.sh ab [twice]  `moebalance ab deepseek4-tiny` on the chip, and with `twice`
+#     the same again with the compilation cache warm -> "ab" (first_s, second_s, its table's total);
 #   bash benchmarks/tpu.sh speed    (~8 minutes) the issue-40 pair: profile_step.py on the 8-layer
 #     2 x 2048 step (device time by part, $OUT/profile-d1024.json) and model_step.py at MaxText's
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
@@ -29,7 +30,8 @@
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
-#   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES (default the
+#   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
+#     $TESTS_LIMIT seconds (default 540) as by Ctrl-C, reporting what ran (default the
 #     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 the first
 #     95 took 470 s, ~5 s a test, compilation mostly) -> "tests", JUnit XML in $OUT/tests.xml,
 #     its output in $OUT/tests.txt. Two calls: tests/test_generate.py tests/test_cross_entropy.py
@@ -130,8 +132,9 @@ tests)
     shift
     # SIGINT at the limit: pytest stops as on Ctrl-C, and still reports what ran (failures,
     # durations, the JUnit XML); killed, it reported nothing (2026-12-06: 95 of 188 tests in 470 s)
-    timeout -s INT 540 python3 -m pytest -p no:cacheprovider -n 0 --device-tests -q -rf \
-        --durations=25 --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.txt" | tail -80
+    timeout -s INT "${TESTS_LIMIT:-540}" python3 -m pytest -p no:cacheprovider -n 0 \
+        --device-tests -q -rf --durations=25 --junitxml="$OUT/tests.xml" "$@" 2>&1 |
+        tee "$OUT/tests.txt" | tail -80
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
     ;;
 functions)
@@ -140,12 +143,18 @@ functions)
     ;;
 ab)
     start=$SECONDS
-    part 480 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
-    python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $((SECONDS - start)) 2>&1 | log
+    part 300 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
+    times=$((SECONDS - start))
+    if [ "${2:-}" = twice ]; then
+        start=$SECONDS
+        part 200 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab" --overwrite
+        times="$times $((SECONDS - start))"
+    fi
+    python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $times 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab|speed|goals|functions|tests" \
-        "[FILES]]" >&2
+    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
+        "|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac

@@ -4,8 +4,9 @@ write, for benchmarks/tpu.sh:
     peer  MaxText's step lines on the same chip (shared/peers/maxtext-tpu/run.sh's log: "completed
           step: N, seconds: S, TFLOP/s/device: F, Tokens/s/device: T"), steps 0 (compilation)
           and 2 (its timer there reads an asynchronous dispatch) left out -> the record's "peer"
-    ab    `moebalance ab`'s result on the chip (the experiment directory's table.json "total" row
-          and the command's wall time) -> the record's "ab"
+    ab    `moebalance ab`'s result on the chip (the experiment directory's table.json "total" row)
+          and the command's wall time, the first run's and, where given, the same run's again
+          with the compilation cache warm -> the record's "ab"
     tests a `pytest --device-tests` run's JUnit XML (one part of the selection; a device call
           holds about half of it) -> the record's "tests": the totals over its "parts", each
           part replacing an earlier one of the same test files
@@ -14,7 +15,7 @@ Each is written into the record atomically, its other keys kept (a record that d
 yet is created with this part alone; model_step.py's first run adds the device and the stack).
 
     python benchmarks/tpu_record.py peer RECORD MAXTEXT_LOG [--config TEXT]
-    python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR WALL_S
+    python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR FIRST_S [SECOND_S]
     python benchmarks/tpu_record.py tests RECORD JUNIT_XML DATE
 """
 
@@ -48,11 +49,13 @@ def maxtext_run(log: str, config: str) -> dict:
                       for n, s, f, t in kept]}
 
 
-def ab_result(experiment: Path, wall_s: float) -> dict:
-    """The A/B experiment's summary: its table.json "total" row and the wall time."""
+def ab_result(experiment: Path, first_s: float, second_s: float | None = None) -> dict:
+    """The A/B experiment's summary: the wall times, its table.json "total" row."""
     total = json.loads((Path(experiment) / "table.json").read_text())["total"]
-    return {"wall_s": round(wall_s, 1), **{k: v for k, v in total.items()
-                                          if k not in ("layer", "routing")}}
+    times = {"first_s": round(first_s, 1)}
+    if second_s is not None:
+        times["second_s"] = round(second_s, 1)
+    return {**times, **{k: v for k, v in total.items() if k not in ("layer", "routing")}}
 
 
 COUNTS = ("passed", "failed", "skipped", "wall_s")
@@ -63,7 +66,7 @@ def tests_part(junit_xml: str, date: str) -> dict:
     and the failed tests' ids."""
     suite = ET.fromstring(junit_xml)
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    cases = suite.findall("testcase")
+    cases = [c for c in suite.findall("testcase") if c.get("classname")]  # not an interruption
     failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
               if c.find("failure") is not None or c.find("error") is not None]
     skipped = sum(c.find("skipped") is not None for c in cases)
@@ -101,7 +104,8 @@ def main(argv=None):
     ab = sub.add_parser("ab")
     ab.add_argument("record", type=Path)
     ab.add_argument("experiment", type=Path)
-    ab.add_argument("wall_s", type=float)
+    ab.add_argument("first_s", type=float)
+    ab.add_argument("second_s", type=float, nargs="?")
     tests = sub.add_parser("tests")
     tests.add_argument("record", type=Path)
     tests.add_argument("junit", type=Path)
@@ -110,7 +114,7 @@ def main(argv=None):
     if args.part == "peer":
         set_part(args.record, "peer", maxtext_run(args.log.read_text(), args.config))
     elif args.part == "ab":
-        set_part(args.record, "ab", ab_result(args.experiment, args.wall_s))
+        set_part(args.record, "ab", ab_result(args.experiment, args.first_s, args.second_s))
     else:
         record = json.loads(args.record.read_text()) if args.record.exists() else {}
         set_part(args.record, "tests", merge_tests(record.get("tests"),

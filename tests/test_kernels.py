@@ -42,17 +42,18 @@ def _assert_close(got, want, tol):
         np.testing.assert_allclose(a, b, atol=tol * np.abs(b).max())
 
 
-# (rows M, group sizes, row tile, dtype, tolerance): an empty group, rows past the sum, M not a
-# whole number of row tiles (megablox pads); then every row in a group, M two whole row tiles and
-# a group across their boundary
-RAGGED = [(40, [10, 0, 20, 5], 128, jnp.float32, 1e-5),
-          (40, [10, 0, 20, 5], 128, jnp.bfloat16, 1e-2),
-          (256, [0, 100, 156], 128, jnp.float32, 1e-5)]
+# (rows M, group sizes, row tile, K, N, dtype, tolerance): an empty group, rows past the sum, M
+# not a whole number of row tiles (megablox pads); then every row in a group, M two whole row
+# tiles and a group across their boundary; K and N not whole 128 lanes (megablox pads them too)
+RAGGED = [(40, [10, 0, 20, 5], 128, 128, 256, jnp.float32, 1e-5),
+          (40, [10, 0, 20, 5], 128, 128, 256, jnp.bfloat16, 1e-2),
+          (256, [0, 100, 156], 128, 128, 256, jnp.float32, 1e-5),
+          (40, [10, 0, 20, 5], 128, 40, 72, jnp.float32, 1e-5)]
 
 
-@pytest.mark.parametrize("rows,sizes,row_tile,dtype,tol", RAGGED)
-def test_megablox_on_ragged_rows_equals_ragged_dot(rows, sizes, row_tile, dtype, tol):
-    x, w, probe = _operands((rows,), 128, 256, len(sizes), dtype)  # TPU-sized K, N
+@pytest.mark.parametrize("rows,sizes,row_tile,k,n,dtype,tol", RAGGED)
+def test_megablox_on_ragged_rows_equals_ragged_dot(rows, sizes, row_tile, k, n, dtype, tol):
+    x, w, probe = _operands((rows,), k, n, len(sizes), dtype)
     sizes = jnp.asarray(sizes, jnp.int32)
     got = _value_and_grads(
         lambda x, w: kernels.grouped_matmul(x, w, sizes, kernel="megablox", row_tile=row_tile),
@@ -86,7 +87,7 @@ def test_auto_picks_by_backend_and_what_megablox_fits(monkeypatch):
     assert kernels.resolve("auto", x, w) == "megablox"
     x, w, _ = _operands((8,), 128, 40, 2, jnp.bfloat16)  # N not a whole number of 128 lanes
     assert kernels.resolve("auto", x, w) == "xla"
-    assert kernels.resolve("megablox", x, w) == "megablox"  # asked for: the TPU refuses it
+    assert kernels.resolve("megablox", x, w) == "megablox"  # asked for: N padded to 128
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels.resolve("auto") == "xla"
     for kernel in kernels.KERNELS:
@@ -140,3 +141,16 @@ def test_layer_lowered_for_a_tpu_runs_megablox(monkeypatch):
     assert "tpu_custom_call" in text and "ragged_dot" not in text
     calls = collections.Counter(re.findall(r"call @(t?gmm)", text))
     assert calls == {"gmm": 5, "tgmm": 3}
+
+
+def test_megablox_lowered_for_a_tpu_pads_widths_to_whole_lanes(monkeypatch):
+    """K = 16 and N = 12, the MoE tests' widths: the TPU's Pallas lowering refuses tiles that are
+    not whole 128 lanes (on the v5e, 2026-12-06: "block shape (128, 12), array shape (128, 16)"),
+    so megablox pads both; lowered here for a TPU, forward and backward."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    x, w, probe = _operands((40,), 16, 12, 4, jnp.bfloat16)
+    sizes = jnp.asarray([10, 0, 20, 5], jnp.int32)
+    grad = jax.jit(jax.grad(lambda x, w: (kernels.grouped_matmul(
+        x, w, sizes, kernel="megablox", row_tile=128).astype(jnp.float32) * probe).sum(), (0, 1)))
+    text = grad.trace(x, w).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text and "ragged_dot" not in text

@@ -72,7 +72,8 @@ def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
     assert capacity == int(np.ceil(capacity_factor * 18 * 3 / 8))
     kept = ref.kept_assignments(idx, w, valid, 8, capacity, policy)
     want = ref.moe(xt, idx, w, *params(model), 0.7, kept=kept)
-    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want,
+                               **tolerance(rtol=2e-5, atol=2e-5))
     assert int(rec.dropped) == int(valid.sum()) * 3 - int(kept.sum())
     if capacity_factor == 0.5:
         assert int(rec.dropped) > 0
@@ -124,10 +125,10 @@ def test_gradients_equal_dense_autodiff(dispatch, kernel):
 
     g1, gx1 = nnx.grad(loss_layer, argnums=(0, 1))(model, x)
     g2, gx2 = nnx.grad(loss_dense, argnums=(0, 1))(model, x)
-    np.testing.assert_allclose(gx1, gx2, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gx1, gx2, **tolerance(rtol=1e-4, atol=1e-5))
     for name in ("router", "w1", "w3", "w2"):
-        np.testing.assert_allclose(g1[name][...], g2[name][...], rtol=1e-4, atol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(g1[name][...], g2[name][...],
+                                   **tolerance(rtol=1e-4, atol=1e-5), err_msg=name)
 
 
 def test_blocked_backward_keeps_no_per_block_weights():
