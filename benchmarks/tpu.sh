@@ -28,6 +28,8 @@
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
+#     README.md shows them, the last three on the A/B's Run B (`ab` first, or here), each a part;
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
@@ -64,14 +66,18 @@ PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-com
 . benchmarks/parts.sh  # log, part
 
 # the large packages from the machine's index, the rest from .whl-tpu (all without dependencies:
-# nothing may replace the machine's JAX)
-$PIP --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site --no-deps \
-    tensorstore tokenizers pyyaml typing_extensions protobuf pyarrow matplotlib contourpy cycler \
-    fonttools kiwisolver packaging pillow pyparsing python-dateutil six nest_asyncio 2>&1 | log
-if compgen -G ".whl-tpu/*.whl" > /dev/null; then
-    $PIP --no-index --no-deps --upgrade --target /tmp/site .whl-tpu/*.whl 2>&1 | log
-else
-    echo "no .whl-tpu/: run benchmarks/tpu_wheels.sh here and carry .whl-tpu" | log
+# nothing may replace the machine's JAX); once per machine (a warm machine keeps /tmp/site)
+if [ ! -f /tmp/site/.installed ]; then
+    $PIP --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site --no-deps \
+        tensorstore tokenizers pyyaml typing_extensions protobuf pyarrow matplotlib contourpy \
+        cycler fonttools kiwisolver packaging pillow pyparsing python-dateutil six nest_asyncio \
+        2>&1 | log
+    if compgen -G ".whl-tpu/*.whl" > /dev/null; then
+        $PIP --no-index --no-deps --upgrade --target /tmp/site .whl-tpu/*.whl 2>&1 | log &&
+            touch /tmp/site/.installed
+    else
+        echo "no .whl-tpu/: run benchmarks/tpu_wheels.sh here and carry .whl-tpu" | log
+    fi
 fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 python3 --version | log
@@ -141,6 +147,18 @@ functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
     cat "$OUT/functions.json"
     ;;
+cli)
+    # the commands of README.md's table on the A/B's Run B (`ab` first, or here)
+    run=$OUT/ab/run_b
+    [ -d "$run" ] || part 300 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
+    part 150 train python3 -m moebalance.cli train deepseek4-smoke steps=20 --out "$OUT/smoke"
+    part 100 eval python3 -m moebalance.cli eval "$run"
+    part 120 generate python3 -m moebalance.cli generate "$run" --prompt "def parse(" \
+        --max-new-tokens 40
+    part 100 export python3 -m moebalance.cli export "$run" "$OUT/hf"
+    ls -l "$OUT/hf" | log
+    rm -rf "$OUT/hf" "$OUT/smoke/checkpoints"  # not brought back
+    ;;
 ab)
     start=$SECONDS
     part 300 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
@@ -154,7 +172,7 @@ ab)
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
-        "|functions|tests [FILES]]" >&2
+        "|cli|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
