@@ -28,6 +28,7 @@
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile: $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
 #     README.md shows them, the last three on the A/B's Run B (`ab` first, or here), each a part;
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
@@ -147,6 +148,15 @@ functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
     cat "$OUT/functions.json"
     ;;
+abprofile)
+    # where the A/B's time goes on the chip: the same command under cProfile (after `ab`, so with
+    # its caches warm), its 60 largest cumulative times in $OUT/abprofile.txt
+    part 300 abprofile python3 -m cProfile -o "$OUT/ab.prof" -m moebalance.cli ab deepseek4-tiny \
+        --out "$OUT/abprofile"
+    python3 -c "import pstats, sys; (pstats.Stats(sys.argv[1], stream=open(sys.argv[2], 'w'))
+                .sort_stats('cumulative').print_stats(60))" "$OUT/ab.prof" "$OUT/abprofile.txt"
+    rm -rf "$OUT/abprofile"
+    ;;
 cli)
     # the commands of README.md's table on the A/B's Run B (`ab` first, or here)
     run=$OUT/ab/run_b
@@ -172,7 +182,7 @@ ab)
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
-        "|cli|functions|tests [FILES]]" >&2
+        "|abprofile|cli|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
