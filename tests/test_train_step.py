@@ -27,45 +27,42 @@ def batch(micro, size, seed=0, seq=16):
     return tokens, jnp.ones((micro, size, seq), bool), jnp.zeros((micro, size, seq), jnp.int32)
 
 
-def test_bias_update_uses_counts_of_every_micro_batch():
-    cfg, model, opt = setup(gradient_accumulation_steps=3)
-    tokens, mask, seg = batch(3, 2)
-    before = np.asarray(get_biases(model))
-    # brute-force recount: every micro-batch through the model before the step
-    forward = nnx.jit(lambda m, t: m(t).routing.counts)
-    recount = sum(np.asarray(forward(model, tokens[a, :, :-1])) for a in range(3))
-    metrics = make_train_step(cfg, model)(model, opt, tokens, mask, seg)
-    np.testing.assert_array_equal(metrics["counts"], recount)
-    assert metrics["counts"].dtype == jnp.int32
-    assert (recount.sum(1) == 3 * 2 * 16 * cfg.num_experts_per_tok).all()
-    routed = routed_layers(model)
-    assert routed == [2, 3]  # the two hash blocks have no bias to update
-    want = np.stack([ref.update_bias(before[i], recount[layer], "sign", 1e-2)
-                     for i, layer in enumerate(routed)])
-    np.testing.assert_allclose(get_biases(model), want, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(metrics["bias"], want, rtol=1e-6, atol=1e-7)
-    assert get_biases(model).dtype == jnp.float32
-    # evaluation reports every block's counts and never touches the bias
-    out = make_eval_step(cfg, model)(model, tokens[0], mask[0], seg[0])
-    np.testing.assert_array_equal(get_biases(model), want.astype(np.float32))
-    assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
-
-
-def test_gradient_accumulation_equals_one_big_batch():
-    tokens, mask, seg = batch(2, 1)
+def test_accumulated_step_equals_one_big_batch_and_updates_the_bias_from_every_micro_batch():
+    """2 micro-batches of 2 sequences against one batch of 4: the same loss, gradient norm,
+    counts and updated weights; the counts a brute-force recount of every micro-batch, the bias
+    update the rule applied to them (one compiled step of each kind, shared by both claims)."""
+    tokens, mask, seg = batch(2, 2)
     cfg_a, model_a, opt_a = setup(gradient_accumulation_steps=2)
     cfg_b, model_b, opt_b = setup()
+    before = np.asarray(get_biases(model_a))
+    # brute-force recount: every micro-batch through the model before the step
+    forward = nnx.jit(lambda m, t: m(t).routing.counts)
+    recount = sum(np.asarray(forward(model_a, tokens[a, :, :-1])) for a in range(2))
     ma = make_train_step(cfg_a, model_a)(model_a, opt_a, tokens, mask, seg)
-    mb = make_train_step(cfg_b, model_b)(model_b, opt_b, tokens.reshape(1, 2, -1),
-                                         mask.reshape(1, 2, -1), seg.reshape(1, 2, -1))
+    mb = make_train_step(cfg_b, model_b)(model_b, opt_b, tokens.reshape(1, 4, -1),
+                                         mask.reshape(1, 4, -1), seg.reshape(1, 4, -1))
+    np.testing.assert_array_equal(ma["counts"], recount)
+    np.testing.assert_array_equal(mb["counts"], recount)
+    assert ma["counts"].dtype == jnp.int32
+    assert (recount.sum(1) == 2 * 2 * 16 * cfg_a.num_experts_per_tok).all()
     np.testing.assert_allclose(ma["loss"], mb["loss"], **tolerance(rtol=1e-5))
     np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"], **tolerance(rtol=1e-4))
-    np.testing.assert_array_equal(ma["counts"], mb["counts"])
     pa = nnx.to_flat_state(nnx.state(model_a, nnx.Param))
     pb = dict(nnx.to_flat_state(nnx.state(model_b, nnx.Param)))
     for path, var in pa:
         np.testing.assert_allclose(var[...], pb[path][...], **tolerance(rtol=1e-4, atol=1e-6),
                                    err_msg=str(path))
+    routed = routed_layers(model_a)
+    assert routed == [2, 3]  # the two hash blocks have no bias to update
+    want = np.stack([ref.update_bias(before[i], recount[layer], "sign", 1e-2)
+                     for i, layer in enumerate(routed)])
+    np.testing.assert_allclose(get_biases(model_a), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ma["bias"], want, rtol=1e-6, atol=1e-7)
+    assert get_biases(model_a).dtype == jnp.float32
+    # evaluation reports every block's counts and never touches the bias
+    out = make_eval_step(cfg_a, model_a)(model_a, tokens[0], mask[0], seg[0])
+    np.testing.assert_array_equal(get_biases(model_a), want.astype(np.float32))
+    assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
 
 
 def test_bias_freezes_and_the_optimizer_never_moves_it():
