@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -248,27 +250,31 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
         np.testing.assert_array_equal(b.routing.indices[layer], np.asarray(tables[layer])[tokens])
 
 
+@functools.cache
+def _scan_loss_and_grads(remat: str, dispatch: str):
+    """A 3-block model's loss and gradients (as NumPy) under the layer scan with `remat`; each
+    (remat, dispatch) computed once, so the policies of one dispatch share its reference."""
+    cfg = load_config("deepseek4-smoke", dict(
+        compress_ratios=[0, 0, 4], base_num_decoder_layers=3, first_num_hash_layers=2,
+        max_target_length=16, moe_dispatch=dispatch, remat_policy=remat))  # hash blocks: one scan
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    graphdef, params, rest = nnx.split(DeepSeekV4(cfg, rngs=nnx.Rngs(3)), nnx.Param, ...)
+
+    def loss(params):
+        out = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
+
+    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss))(params))
+
+
 @pytest.mark.parametrize("policy, dispatch", [("full", "blocked"), ("minimal", "blocked"),
                                               ("save_experts", "ragged")])
 def test_remat_policies_give_the_same_loss_and_gradients_under_the_layer_scan(policy, dispatch):
-    over = dict(compress_ratios=[0, 0, 4], base_num_decoder_layers=3, first_num_hash_layers=2,
-                max_target_length=16, moe_dispatch=dispatch)  # hash blocks 0-1: one scan
-    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
-    results = []
-    for remat in ("none", policy):
-        cfg = load_config("deepseek4-smoke", {**over, "remat_policy": remat})
-        model = DeepSeekV4(cfg, rngs=nnx.Rngs(3))
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def loss(params):
-            out = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(out.logits, tokens[:, 1:]).mean()
-
-        results.append(jax.jit(jax.value_and_grad(loss))(params))
-    (loss_none, grads_none), (loss_full, grads_full) = results
-    np.testing.assert_allclose(loss_full, loss_none, **tolerance(rtol=1e-6))
+    loss_none, grads_none = _scan_loss_and_grads("none", dispatch)
+    loss_policy, grads_policy = _scan_loss_and_grads(policy, dispatch)
+    np.testing.assert_allclose(loss_policy, loss_none, **tolerance(rtol=1e-6))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tolerance(rtol=1e-4, atol=1e-6)),
-                 grads_full, grads_none)
+                 grads_policy, grads_none)
 
 
 def test_tiny_config_trains_on_a_fixed_batch():
