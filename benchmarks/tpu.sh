@@ -35,11 +35,13 @@
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
 #     $TESTS_LIMIT seconds (default 540) as by Ctrl-C, reporting what ran (default the
-#     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 the first
-#     95 took 470 s, ~5 s a test, compilation mostly) -> "tests", JUnit XML in $OUT/tests.xml,
-#     its output in $OUT/tests.txt. Two calls: tests/test_generate.py tests/test_cross_entropy.py
-#     tests/test_balancing.py tests/test_export.py tests/test_precision.py tests/test_routing.py,
-#     then tests/test_train_step.py tests/test_moe.py tests/test_model.py tests/test_metrics.py.
+#     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 its 189
+#     then took ~1,250 s, ~6.5 s a test, compilation mostly) -> "tests", JUnit XML in
+#     $OUT/tests.xml, its output in $OUT/tests.txt. Three calls, by their 2026-12-06 times:
+#     tests/test_generate.py tests/test_cross_entropy.py tests/test_balancing.py
+#     tests/test_export.py tests/test_precision.py tests/test_routing.py (404 s); then
+#     tests/test_train_step.py tests/test_moe.py tests/test_metrics.py (~430 s); then
+#     tests/test_model.py (~400 s).
 #
 # Each part has its own time limit (opening the chip costs ~15 s per program, and only one
 # program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt
