@@ -15,8 +15,9 @@ On a TPU a tile's minor dimension comes in whole 128 lanes, and K, N and the row
 some of the three kernels, so the row tile is rounded up to a multiple of LANES and K and N are
 zero-padded to multiples of it (exact: the padding adds zero products; `auto` takes the XLA path
 instead where they need it, `fits`, as the padding would be computed too). Off a TPU the kernels
-run in Pallas' interpret mode (exact, slow: for tests). Not inside shard_map (expert parallelism, any multi-device mesh): JAX 0.10.2's megablox
-leaves its output's variance over the mesh axes unset, which shard_map's type check refuses.
+run in Pallas' interpret mode (exact, slow: for tests). Not inside shard_map (expert parallelism,
+any multi-device mesh): JAX 0.10.2's megablox leaves its output's variance over the mesh axes
+unset, which shard_map's type check refuses.
 """
 
 from __future__ import annotations
