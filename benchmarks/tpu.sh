@@ -31,6 +31,11 @@
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile: $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
 #     README.md shows them, the last three on the A/B's Run B (`ab` first, or here), each a part;
+#   bash benchmarks/tpu.sh study    issue 42's run: `moebalance study deepseek4-study` (three arms
+#     of 2,000 steps) into /tmp/study, stopped by SIGINT after $STUDY_LIMIT seconds (default 540)
+#     with a checkpoint, which the same call on the still-warm machine continues (a fresh machine
+#     starts from benchmarks/results/study-v5e.json: finished arms are kept, the stopped one
+#     trains again); study.json, study.md, the figures and each arm's metrics.jsonl -> $OUT/study;
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
@@ -146,6 +151,21 @@ tests)
         tee "$OUT/tests.txt" | tail -80
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
     ;;
+study)
+    dir=/tmp/study
+    if [ ! -f "$dir/study.json" ] && [ -f benchmarks/results/study-v5e.json ]; then
+        mkdir -p "$dir" && cp benchmarks/results/study-v5e.json "$dir/study.json"
+    fi
+    df -h /tmp | log
+    timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli study deepseek4-study \
+        --out "$dir" 2>&1 | tee "$OUT/study.txt" | grep -v "^\s*$" | tail -40
+    mkdir -p "$OUT/study"
+    cp "$dir"/study.* "$dir"/*.png "$dir"/report.html "$OUT/study/" 2>/dev/null
+    for run in "$dir"/*/; do
+        [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/study/$(basename "$run").jsonl"
+    done
+    ls -l "$OUT/study" | log
+    ;;
 functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
     cat "$OUT/functions.json"
@@ -184,7 +204,7 @@ ab)
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
-        "|abprofile|cli|functions|tests [FILES]]" >&2
+        "|abprofile|cli|study|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
