@@ -8,11 +8,13 @@ import logging
 import os
 import shutil
 import signal
+import stat
 
 import numpy as np
 import pytest
 
 from moebalance import cli
+from moebalance.atomic import write_atomic
 from moebalance.config import load_config
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint
@@ -282,3 +284,26 @@ def test_eval_of_a_non_finite_checkpoint_fails(finished, tmp_path, capsys, monke
     checkpoint.save(mgr, 3, model, optimizer)
     code, err = run_cli(capsys, "eval", run, "--batches", "1")
     assert code == 2 and "its weights are not finite" in error_line(err)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077], ids=["022", "077"])
+def test_an_atomic_write_gets_open_s_mode_and_a_failed_one_leaves_the_file_as_it_was(tmp_path,
+                                                                                     umask):
+    old = os.umask(umask)
+    try:
+        write_atomic(tmp_path / "atomic", lambda f: f.write(b"whole"))
+        with open(tmp_path / "opened", "wb"):
+            pass
+    finally:
+        os.umask(old)
+    modes = {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("atomic", "opened")}
+    assert modes == {0o666 & ~umask}
+
+    def torn(f):
+        f.write(b"par")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(tmp_path / "atomic", torn)
+    assert (tmp_path / "atomic").read_bytes() == b"whole"
+    assert sorted(os.listdir(tmp_path)) == ["atomic", "opened"]
