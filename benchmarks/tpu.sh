@@ -35,7 +35,7 @@
 #     of 2,000 steps) into /tmp/study, stopped by SIGINT after $STUDY_LIMIT seconds (default 540)
 #     with a checkpoint, which the same call on the still-warm machine continues (a fresh machine
 #     starts from benchmarks/results/study-v5e.json: finished arms are kept, the stopped one
-#     trains again); study.json, study.md, the figures and each arm's metrics.jsonl -> $OUT/study;
+#     trains again); its study.json and study.md -> $OUT (2026-12-06: 1,232 s in three calls);
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
@@ -159,12 +159,10 @@ study)
     df -h /tmp | log
     timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli study deepseek4-study \
         --out "$dir" 2>&1 | tee "$OUT/study.txt" | grep -v "^\s*$" | tail -40
-    mkdir -p "$OUT/study"
-    cp "$dir"/study.* "$dir"/*.png "$dir"/report.html "$OUT/study/" 2>/dev/null
-    for run in "$dir"/*/; do
-        [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/study/$(basename "$run").jsonl"
-    done
-    ls -l "$OUT/study" | log
+    # a device call brings back only a handful of files: study.json holds every number (each
+    # arm's steps too), and `moebalance report DIR --out DIR` redraws the figures and the page
+    cp "$dir"/study.json "$dir"/study.md "$OUT/" 2>/dev/null
+    ls -l "$dir" | log
     ;;
 functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
