@@ -31,11 +31,12 @@
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile: $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
 #     README.md shows them, the last three on the A/B's Run B (`ab` first, or here), each a part;
-#   bash benchmarks/tpu.sh study    issue 42's run: `moebalance study deepseek4-study` (three arms
-#     of 2,000 steps) into /tmp/study, stopped by SIGINT after $STUDY_LIMIT seconds (default 540)
-#     with a checkpoint, which the same call on the still-warm machine continues (a fresh machine
-#     starts from benchmarks/results/study-v5e.json: finished arms are kept, the stopped one
-#     trains again); its study.json and study.md -> $OUT (2026-12-06: 1,232 s in three calls);
+#   bash benchmarks/tpu.sh study [ARGS...]  issue 42's run: `moebalance study deepseek4-study ARGS`
+#     (default: three arms of 2,000 steps) into /tmp/study, stopped by SIGINT after $STUDY_LIMIT
+#     seconds (default 540) with a checkpoint, which the same call on the still-warm machine
+#     continues; on a fresh machine STUDY_FROM=FILE (a study.json brought back by an earlier call)
+#     keeps that study's finished arms and trains the others; study.json and study.md -> $OUT
+#     (2026-12-06: the default study in 1,232 s over three calls, study-v5e.json);
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
@@ -152,12 +153,13 @@ tests)
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
     ;;
 study)
+    shift
     dir=/tmp/study
-    if [ ! -f "$dir/study.json" ] && [ -f benchmarks/results/study-v5e.json ]; then
-        mkdir -p "$dir" && cp benchmarks/results/study-v5e.json "$dir/study.json"
+    if [ ! -f "$dir/study.json" ] && [ -n "${STUDY_FROM:-}" ]; then
+        mkdir -p "$dir" && cp "$STUDY_FROM" "$dir/study.json"
     fi
     df -h /tmp | log
-    timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli study deepseek4-study \
+    timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli study deepseek4-study "$@" \
         --out "$dir" 2>&1 | tee "$OUT/study.txt" | grep -v "^\s*$" | tail -40
     # a device call brings back only a handful of files: study.json holds every number (each
     # arm's steps too), and `moebalance report DIR --out DIR` redraws the figures and the page
@@ -202,7 +204,7 @@ ab)
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
-        "|abprofile|cli|study|functions|tests [FILES]]" >&2
+        "|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
