@@ -113,7 +113,7 @@ _mix_streams.defvjp(_mix_streams_fwd, _mix_streams_bwd)
 def _init_params(rngs, outputs: int, hc: int, dim: int, base):
     # Small random fn breaks the symmetry of the m identical initial streams.
     fn = nnx.Param(init_normal(rngs, (hc * dim, outputs), jnp.float32, 0.1 / math.sqrt(hc * dim)))
-    return fn, nnx.Param(jnp.asarray(base, jnp.float32))
+    return fn, nnx.Param(jax.device_put(np.asarray(base, np.float32)))
 
 
 class HyperConnection(nnx.Module):

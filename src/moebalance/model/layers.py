@@ -40,7 +40,8 @@ def init_normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
     """std * N(0, 1) of `shape`, drawn by NumPy from a seed taken from `rngs`.
 
     Why not jax.random: every new parameter shape is a new XLA program, and compiling one costs
-    0.2-0.5 s on a 2-core CPU (minutes for a 43-layer model); NumPy draws with no compilation.
+    0.2-0.5 s on a 2-core CPU (minutes for a 43-layer model); NumPy draws with no compilation,
+    and jax.device_put moves the values (jnp.asarray would compile a copy program per shape).
     Deterministic in the Rngs seed like jax.random, but a different stream. Under tracing
     (nnx.eval_shape, jit) the key is abstract and jax.random draws instead.
     """
@@ -55,19 +56,19 @@ def init_normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
     key = stream()
     seed = np.asarray(jax.random.key_data(key)).ravel()
     values = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * std
-    return jnp.asarray(values.astype(jnp.dtype(dtype)))
+    return jax.device_put(values.astype(jnp.dtype(dtype)))
 
 
 def stack(arrays) -> jax.Array:
     """Stack arrays along a new leading axis, on the host when they are concrete."""
     if any(isinstance(a, jax.core.Tracer) for a in arrays):
         return jnp.stack(arrays)
-    return jnp.asarray(np.stack([np.asarray(a) for a in arrays]))
+    return jax.device_put(np.stack([np.asarray(a) for a in arrays]))
 
 
 def constant(value, shape, dtype=jnp.float32) -> jax.Array:
     """A filled array made on the host (no XLA compilation, see init_normal)."""
-    return jnp.asarray(np.full(shape, value, dtype=jnp.dtype(dtype)))
+    return jax.device_put(np.full(shape, value, dtype=jnp.dtype(dtype)))
 
 
 def dense_init(rngs: nnx.Rngs, shape, dtype, fan_in: int | None = None) -> jax.Array:

@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moebalance import routing
@@ -204,7 +205,7 @@ class MoE(nnx.Module):
                     f"num_experts_per_tok={c.num_experts_per_tok}"
                 )
             routing.check_hash_table(hash_table, e, distinct=False)
-            self.hash_table = HashTable(jnp.asarray(hash_table, jnp.int32))
+            self.hash_table = HashTable(jax.device_put(np.asarray(hash_table, np.int32)))
         else:
             self.hash_table = None
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from moebalance.config import Config
 from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
-from moebalance.training.step import make_optimizer
+from moebalance.training.step import new_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def restore_model(cfg: Config, directory: Path,
     step); None: the latest that reads whole (`restore_latest`). The checkpoint's optimizer state
     is read alongside, as it is stored with the model, and dropped."""
     model = DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg), rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    optimizer = new_optimizer(cfg, model)
     if step is None or not Path(directory).is_dir():  # restore_latest names a missing directory
         return model, restore_latest(directory, model, optimizer)
     mgr = manager(directory)

@@ -38,7 +38,7 @@ from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, sharding
 from moebalance.training.calibration import calibration_batches, final_probe, probe_counts
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
-from moebalance.training.step import (make_eval_step, make_optimizer, make_train_step,
+from moebalance.training.step import (make_eval_step, make_train_step, new_optimizer,
                                       schedule_changes)
 from moebalance.training.validation import Validation
 
@@ -233,7 +233,7 @@ def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False):
     tables = (placeholder_hash_tables(cfg) if restoring
               else _hash_tables(cfg, train_data or data.batches(cfg)))
     model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    optimizer = new_optimizer(cfg, model)
     sharding.shard(model, mesh)
     sharding.shard(optimizer, mesh)
     return model, optimizer

@@ -57,6 +57,19 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return _optimizer(tuple(getattr(cfg, key) for key in OPTIMIZER_KEYS))
 
 
+def new_optimizer(cfg: Config, model: DeepSeekV4) -> nnx.Optimizer:
+    """make_optimizer's optimizer of `model`, its state made by one compiled program (made
+    eagerly, AdamW's zero moments compile a program for each new shape: 48 for deepseek4-tiny)."""
+    return _initialiser(make_optimizer(cfg))(model)
+
+
+@functools.cache
+def _initialiser(tx: optax.GradientTransformation):
+    def optimizer_init(model):
+        return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.jit(optimizer_init)
+
+
 @functools.cache
 def _optimizer(values: tuple) -> optax.GradientTransformation:
     hp = types.SimpleNamespace(**dict(zip(OPTIMIZER_KEYS, values)))
