@@ -66,7 +66,7 @@ from moebalance.model.expert_parallel import fast_slots
 from moebalance.model.transformer import (Block, DeepSeekV4, layer_kinds, placeholder_hash_tables,
                                           routed_layers)
 from moebalance.training import sharding
-from moebalance.training.step import losses, make_optimizer
+from moebalance.training.step import losses, new_optimizer
 
 GIB = 2**30
 # The backward of one block needs about this many times its residuals on top of them (the
@@ -126,7 +126,7 @@ def abstract_model(cfg: Config) -> DeepSeekV4:
 
 def abstract_optimizer(cfg: Config, model: DeepSeekV4) -> nnx.Optimizer:
     """The trainer's optimizer of an abstract model, as shapes only."""
-    return nnx.eval_shape(lambda m: nnx.Optimizer(m, make_optimizer(cfg), wrt=nnx.Param), model)
+    return nnx.eval_shape(lambda m: new_optimizer(cfg, m), model)
 
 
 def nbytes(shape, dtype) -> int:
