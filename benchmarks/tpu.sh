@@ -15,8 +15,10 @@
 #        block 17.02 GiB do not: the device peak or the failure says which the chip follows),
 #     3. 2 x 2048 (the run of 2026-12-05, 0.511 s, 15.1 GiB, before the step donated its state;
 #        donating, XLA plans 12.83 GiB);
-#   bash benchmarks/tpu.sh remat    (~7 minutes) 4 x 2048 with remat_policy=minimal (XLA: 15.07 GiB
-#     needed, the least recomputation that fits 8,192 tokens) and with full remat (14.28);
+#   bash benchmarks/tpu.sh remat    (~8 minutes) issue 40's 16,384 tokens a step as 4 x (2 x 2048)
+#     with less recomputation than `goals`' full remat, the two policies XLA compiles for the
+#     chip on the CPU (benchmarks/aot_memory.py; remat none is refused even at 1 x 2048):
+#     remat_policy=minimal (temporaries 9.59 GiB) and save_experts, each a run of the record;
 #   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
 #     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
@@ -106,11 +108,11 @@ step)
     cat "$OUT/d1024.json"
     ;;
 remat)
-    part 200 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 4 --seq 2048 \
-        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" weight_dtype=bfloat16 \
-        remat_policy=minimal
-    part 200 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 4 --seq 2048 \
-        --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16
+    for policy in minimal save_experts; do
+        part 280 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
+            --steps 4 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" \
+            weight_dtype=bfloat16 remat_policy=$policy gradient_accumulation_steps=4
+    done
     cat "$OUT/d1024.json"
     ;;
 profile)
