@@ -202,7 +202,7 @@ ab)
         part 200 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab" --overwrite
         times="$times $((SECONDS - start))"
     fi
-    python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" $times 2>&1 | log
+    python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \

@@ -6,7 +6,9 @@ write, for benchmarks/tpu.sh:
           and 2 (its timer there reads an asynchronous dispatch) left out -> the record's "peer"
     ab    `moebalance ab`'s result on the chip (the experiment directory's table.json "total" row)
           and the command's wall time, the first run's and, where given, the same run's again
-          with the compilation cache warm -> the record's "ab"
+          with the compilation cache warm, dated -> the record's "ab"; the result it replaces
+          goes into its "earlier" list (wall times, date, notes), and what other parts added
+          to it (the profile) stays
     tests a `pytest --device-tests` run's JUnit XML (one part of the selection; a device call
           holds about half of it) -> the record's "tests": the totals over its "parts", each
           part replacing an earlier one of the same test files
@@ -15,7 +17,7 @@ Each is written into the record atomically, its other keys kept (a record that d
 yet is created with this part alone; model_step.py's first run adds the device and the stack).
 
     python benchmarks/tpu_record.py peer RECORD MAXTEXT_LOG [--config TEXT]
-    python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR FIRST_S [SECOND_S]
+    python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR DATE FIRST_S [SECOND_S]
     python benchmarks/tpu_record.py tests RECORD JUNIT_XML DATE
 """
 
@@ -56,6 +58,20 @@ def ab_result(experiment: Path, first_s: float, second_s: float | None = None) -
     if second_s is not None:
         times["second_s"] = round(second_s, 1)
     return {**times, **{k: v for k, v in total.items() if k not in ("layer", "routing")}}
+
+
+EARLIER = ("first_s", "second_s", "date", "notes")  # what "ab"'s history keeps of a result
+
+
+def merge_ab(ab: dict | None, result: dict, date: str) -> dict:
+    """The record's "ab" with `result` (ab_result's) as the latest, dated: the result it replaces
+    appended to "earlier" (its EARLIER keys), the keys no result has (a profile) kept."""
+    ab = ab or {}
+    earlier = [*ab.get("earlier", []), *([{k: ab[k] for k in EARLIER if k in ab}]
+                                         if "first_s" in ab else [])]
+    kept = {k: v for k, v in ab.items() if k not in result and k not in EARLIER
+            and k != "earlier"}
+    return {**result, "date": date, **kept, **({"earlier": earlier} if earlier else {})}
 
 
 COUNTS = ("passed", "failed", "skipped", "wall_s")
@@ -104,6 +120,7 @@ def main(argv=None):
     ab = sub.add_parser("ab")
     ab.add_argument("record", type=Path)
     ab.add_argument("experiment", type=Path)
+    ab.add_argument("date")
     ab.add_argument("first_s", type=float)
     ab.add_argument("second_s", type=float, nargs="?")
     tests = sub.add_parser("tests")
@@ -111,12 +128,13 @@ def main(argv=None):
     tests.add_argument("junit", type=Path)
     tests.add_argument("date")
     args = parser.parse_args(argv)
+    record = json.loads(args.record.read_text()) if args.record.exists() else {}
     if args.part == "peer":
         set_part(args.record, "peer", maxtext_run(args.log.read_text(), args.config))
     elif args.part == "ab":
-        set_part(args.record, "ab", ab_result(args.experiment, args.first_s, args.second_s))
+        set_part(args.record, "ab", merge_ab(record.get("ab"), ab_result(
+            args.experiment, args.first_s, args.second_s), args.date))
     else:
-        record = json.loads(args.record.read_text()) if args.record.exists() else {}
         set_part(args.record, "tests", merge_tests(record.get("tests"),
                                                    tests_part(args.junit.read_text(), args.date)))
 

@@ -131,15 +131,27 @@ def test_peer_and_ab_parts_join_the_record_that_model_step_appends_to(tpu_record
     total = {"layer": "TOTAL/AVG", "routing": "topk", "improvement": 0.978, "loss_a": 8.89,
              "loss_b": 8.90, "steps": 20, "tokens_per_step": 2048}
     (experiment / "table.json").write_text(json.dumps({"rows": [], "total": total}))
-    tpu_record.main(["ab", str(record), str(experiment), "131.4", "60.04"])
+    tpu_record.main(["ab", str(record), str(experiment), "2026-12-05", "140", "70"])
+    _set_ab_profile(record, {"total_s": 191.2})
+    tpu_record.main(["ab", str(record), str(experiment), "2026-12-06", "131.4", "60.04"])
     _benchmark("model_step").append_record(record, {"step_s": 0.5}, device="TPU v5 lite",
                                            date="2026-12-06", jax_version="0.10.2",
                                            flax_version="0.12.8")
     got = json.loads(record.read_text())
     assert list(got) == ["device", "date", "jax", "flax", "runs", "peer", "ab"]
     assert got["peer"][0]["system"] == "MaxText" and got["runs"] == [{"step_s": 0.5}]
-    assert got["ab"] == {"first_s": 131.4, "second_s": 60.0, "improvement": 0.978, "loss_a": 8.89, "loss_b": 8.90,
-                         "steps": 20, "tokens_per_step": 2048}
+    # the latest result, dated; the one it replaced in "earlier"; the profile kept
+    assert got["ab"] == {"first_s": 131.4, "second_s": 60.0, "improvement": 0.978, "loss_a": 8.89,
+                         "loss_b": 8.90, "steps": 20, "tokens_per_step": 2048,
+                         "date": "2026-12-06", "first_profile": {"total_s": 191.2},
+                         "earlier": [{"first_s": 140.0, "second_s": 70.0, "date": "2026-12-05"}]}
+
+
+def _set_ab_profile(record, profile):
+    """record["ab"]["first_profile"] = profile, as a hand-added profile of the A/B is kept."""
+    got = json.loads(record.read_text())
+    got["ab"]["first_profile"] = profile
+    record.write_text(json.dumps(got))
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
