@@ -10,8 +10,8 @@ write, for benchmarks/tpu.sh:
           goes into its "earlier" list (wall times, date, notes), and what other parts added
           to it (the profile) stays
     tests a `pytest --device-tests` run's JUnit XML (one part of the selection; a device call
-          holds about half of it) -> the record's "tests": the totals over its "parts", each
-          part replacing an earlier one of the same test files
+          holds about half of it) -> the record's "tests": each test counted once, by the latest
+          of its "parts" that ran it, a part replacing an earlier one of the same test files
 
 Each is written into the record atomically, its other keys kept (a record that does not exist
 yet is created with this part alone; model_step.py's first run adds the device and the stack).
@@ -24,6 +24,7 @@ yet is created with this part alone; model_step.py's first run adds the device a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import re
 import statistics
@@ -74,30 +75,39 @@ def merge_ab(ab: dict | None, result: dict, date: str) -> dict:
     return {**result, "date": date, **kept, **({"earlier": earlier} if earlier else {})}
 
 
-COUNTS = ("passed", "failed", "skipped", "wall_s")
+OUTCOMES = ("passed", "failed", "skipped")
 
 
 def tests_part(junit_xml: str, date: str) -> dict:
-    """One pytest run from its JUnit XML: its test files, outcome counts, wall time and date,
-    and the failed tests' ids."""
+    """One pytest run from its JUnit XML: its test files, outcome counts, wall time and date, the
+    failed tests' ids and every test's outcome by id."""
     suite = ET.fromstring(junit_xml)
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     cases = [c for c in suite.findall("testcase") if c.get("classname")]  # not an interruption
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases
-              if c.find("failure") is not None or c.find("error") is not None]
-    skipped = sum(c.find("skipped") is not None for c in cases)
+    outcomes = {f"{c.get('classname')}::{c.get('name')}":
+                "failed" if c.find("failure") is not None or c.find("error") is not None
+                else "skipped" if c.find("skipped") is not None else "passed" for c in cases}
+    counts = collections.Counter(outcomes.values())
     files = sorted({c.get("classname").rsplit(".", 1)[-1] + ".py" for c in cases})
-    return {"files": files, "passed": len(cases) - len(failed) - skipped, "failed": len(failed),
-            "skipped": skipped, "wall_s": round(float(suite.get("time")), 1), "date": date,
-            "failures": failed}
+    return {"files": files, **{k: counts[k] for k in OUTCOMES},
+            "wall_s": round(float(suite.get("time")), 1), "date": date,
+            "failures": [t for t, o in outcomes.items() if o == "failed"], "outcomes": outcomes}
 
 
 def merge_tests(tests: dict | None, part: dict) -> dict:
-    """The record's "tests" with `part` in place of any earlier part of the same files: the
-    totals of its parts, the latest date."""
-    parts = [p for p in (tests or {}).get("parts", []) if p["files"] != part["files"]] + [part]
-    totals = {k: round(sum(p[k] for p in parts), 1) for k in COUNTS}
-    return {**totals, "date": max(p["date"] for p in parts), "parts": parts}
+    """The record's "tests" with `part` in place of any earlier part of the same files: each test
+    counted once, by its latest part's outcome; the parts' device time; the latest date. Parts
+    recorded before outcomes were (no "outcomes") cannot be told apart by test: the record's
+    totals, checked by hand, then stay as they were."""
+    tests = tests or {}
+    parts = [p for p in tests.get("parts", []) if p["files"] != part["files"]] + [part]
+    merged = {**tests, "parts": parts}
+    if all("outcomes" in p for p in parts):
+        latest = {t: o for p in parts for t, o in p["outcomes"].items()}
+        counts = collections.Counter(latest.values())
+        merged.update({k: counts[k] for k in OUTCOMES},
+                      wall_s=round(sum(p["wall_s"] for p in parts), 1))
+    return {**merged, "date": max(p["date"] for p in parts)}
 
 
 def set_part(path: Path, key: str, value) -> dict:

@@ -188,6 +188,26 @@ def test_device_test_parts_add_up_and_a_part_run_again_replaces_its_earlier_run(
     assert {k: tests[k] for k in ("passed", "failed", "skipped", "wall_s", "date")} == {
         "passed": 6, "failed": 0, "skipped": 0, "wall_s": 300.0, "date": "2026-12-07"}
     assert len(tests["parts"]) == 2
+    # a part of other files that runs a test again: that test counted once, as it last ended
+    xml.write_text(_junit(50.0, **{"test_a.two": "failure", "test_d.seven": ""}))
+    tpu_record.main(["tests", str(record), str(xml), "2026-12-08"])
+    tests = json.loads(record.read_text())["tests"]
+    assert {k: tests[k] for k in ("passed", "failed", "skipped", "wall_s")} == {
+        "passed": 6, "failed": 1, "skipped": 0, "wall_s": 350.0}
+
+
+def test_parts_recorded_without_outcomes_leave_the_hand_checked_totals(tpu_record, tmp_path):
+    record, xml = tmp_path / "tpu-v5e.json", tmp_path / "tests.xml"
+    legacy = {"passed": 189, "failed": 0, "skipped": 0, "wall_s": 1593.5, "date": "2026-12-06",
+              "parts": [{"files": ["test_z.py"], "passed": 190, "failed": 3, "skipped": 0,
+                         "wall_s": 1593.5, "date": "2026-12-06", "failures": []}]}
+    record.write_text(json.dumps({"tests": legacy}))
+    xml.write_text(_junit(20.0, **{"test_a.one": ""}))
+    tpu_record.main(["tests", str(record), str(xml), "2026-12-07"])
+    tests = json.loads(record.read_text())["tests"]
+    assert {k: tests[k] for k in ("passed", "failed", "wall_s", "date")} == {
+        "passed": 189, "failed": 0, "wall_s": 1593.5, "date": "2026-12-07"}
+    assert tests["parts"][-1]["outcomes"] == {"tests.test_a::one": "passed"}
 
 
 def test_tpu_scripts_parse():
