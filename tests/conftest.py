@@ -2,10 +2,13 @@
 file is read) and by the tests' own subprocesses:
 
 - glibc's huge-page malloc tunable, as the `moebalance` command sets it (moebalance.runtime);
-- XLA's CPU backend at its lowest LLVM optimisation: the tests run tiny models, whose time is
-  compilation (halved by these flags), not execution; what they check does not depend on it
-  (not with --device-tests: an accelerator's compiler runs as it does in training); and the
-  simulated devices' collectives patient with a loaded machine;
+- XLA's CPU backend at its lowest LLVM optimisation and with its older, elemental emitter for
+  fusions: the tests run tiny models, whose time is compilation (halved by the first two flags;
+  the MLIR fusion emitters compile each of a step's ~750 fusions through a pass pipeline of its
+  own, and without them deepseek4-smoke's training step compiles in ~6 s instead of ~10), not
+  execution; what they check does not depend on it (not with --device-tests: an accelerator's
+  compiler runs as it does in training); and the simulated devices' collectives patient with a
+  loaded machine;
 - `--device-tests`: only the numerics tests (marker `numerics`: the files in NUMERICS), for a run
   on an accelerator in one process (`-n 0`); `tolerance()` widens their float tolerances there;
 - `moebalance_logger`, for the tests that run cli.main;
@@ -19,7 +22,8 @@ import pytest
 
 from moebalance.runtime import hugepage_malloc_env
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
 # The simulated devices' collectives wait 10 minutes for each other, not XLA's 40 s: on a loaded
 # 2-core machine (two workers, eight device threads each) one thread can be starved that long, and
 # XLA then aborts the process (seen once in test_sharding's 2 x 2 x 2 mesh, 2026-12-06)
