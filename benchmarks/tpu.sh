@@ -19,6 +19,11 @@
 #     with less recomputation than `goals`' full remat, the two policies XLA compiles for the
 #     chip on the CPU (benchmarks/aot_memory.py; remat none is refused even at 1 x 2048):
 #     remat_policy=minimal (temporaries 9.59 GiB) and save_experts, each a run of the record;
+#   bash benchmarks/tpu.sh experts  (~5 minutes) issue 40's goal 4: the MoE layer alone
+#     (moe_layer.py: forward + backward against a dense SwiGLU of the same FLOPs), ragged_dot
+#     and megablox at row tiles 128-512 and column tiles 256-1024: the d1024 experts (64 of
+#     1024 x 512, top-6) on one 2 x 2048 micro-batch, then both of issue 35's shapes on 16,384
+#     tokens -> $OUT/moe_layer.json (a JSON line each);
 #   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
 #     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
@@ -115,6 +120,14 @@ remat)
     done
     cat "$OUT/d1024.json"
     ;;
+experts)
+    MOE="python3 benchmarks/moe_layer.py --dtype bfloat16 --dispatch ragged --kernels xla,megablox"
+    part 150 moe_layer $MOE --tokens 4096 --block-sizes 128,256,512 --col-tiles 256,512 \
+        --shapes 64:6:1024:512 --only-shapes
+    part 300 moe_layer $MOE --tokens 16384 --block-sizes 128,256,512 --col-tiles 256,512,1024 \
+        --shapes 64:6:1024:512,16:6:4096:2048 --only-shapes
+    cat "$OUT/moe_layer.json"
+    ;;
 profile)
     part 300 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 2 \
         --seq 2048 --steps 1 --top 25 $BF16 gradient_accumulation_steps=4
@@ -205,7 +218,7 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|profile|peer|ab [twice]|speed|goals" \
+    echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
         "|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
     ;;

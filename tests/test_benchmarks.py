@@ -339,21 +339,34 @@ def moe_layer():
 
 def test_moe_layer_times_each_kernel_on_the_rows_it_takes(moe_layer):
     runs = list(moe_layer.configurations(["ragged", "blocked"], ["xla", "megablox", "pallas"],
-                                         [128, 256]))
-    assert runs == [  # ragged_dot has no tiles; Triton takes no ragged rows
-        ("ragged", "xla", None), ("ragged", "megablox", 128), ("ragged", "megablox", 256),
-        ("blocked", "xla", 128), ("blocked", "xla", 256), ("blocked", "megablox", 128),
-        ("blocked", "megablox", 256), ("blocked", "pallas", 128), ("blocked", "pallas", 256)]
+                                         [128, 256], [256, 512]))
+    assert runs == [  # ragged_dot has no tiles; Triton takes no ragged rows; megablox's columns
+        ("ragged", "xla", None, None),
+        ("ragged", "megablox", 128, 256), ("ragged", "megablox", 128, 512),
+        ("ragged", "megablox", 256, 256), ("ragged", "megablox", 256, 512),
+        ("blocked", "xla", 128, None), ("blocked", "xla", 256, None),
+        ("blocked", "megablox", 128, 256), ("blocked", "megablox", 128, 512),
+        ("blocked", "megablox", 256, 256), ("blocked", "megablox", 256, 512),
+        ("blocked", "pallas", 128, None), ("blocked", "pallas", 256, None)]
 
 
 def test_moe_layer_times_megablox_interpreted_on_the_cpu(moe_layer, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [
         "moe_layer.py", "--tokens", "32", "--repeats", "1", "--dispatch", "ragged",
-        "--kernels", "xla,megablox", "--block-sizes", "16", "--shapes", "4:2:16:16",
-        "--only-shapes"])
+        "--kernels", "xla,megablox", "--block-sizes", "16", "--col-tiles", "128,256",
+        "--shapes", "4:2:256:256", "--only-shapes"])
+    traced = []
+    real = moe_layer.megablox.gmm
+    monkeypatch.setattr(moe_layer.megablox, "gmm",
+                        lambda *a, **kw: traced.append(a[4]) or real(*a, **kw))
     moe_layer.main()
     *rows, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["dispatch"], r["kernel"], r["block_size"]) for r in rows] == [
-        ("ragged", "xla", None), ("ragged", "megablox", 16)]
+    assert [(r["dispatch"], r["kernel"], r["block_size"], r["col_tile"]) for r in rows] == [
+        ("ragged", "xla", None, None), ("ragged", "megablox", 16, 128),
+        ("ragged", "megablox", 16, 256)]
+    # each run's kernels took its column tile (rows: the block, 16, rounded up to 128 lanes), and
+    # the module's TILE is back at its default
+    assert sorted(set(traced)) == [(128, 128, 128), (128, 256, 256)]
+    assert moe_layer.megablox.TILE == moe_layer.DEFAULT_COL_TILE
     assert all(r["ratio"] > 0 and r["tokens"] == 32 for r in rows)
     assert summary["backend"] == "cpu"
