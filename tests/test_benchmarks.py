@@ -326,8 +326,8 @@ def test_vs_nemo_names_the_machine_its_ratio_was_measured_on():
 def test_expert_layout_names_the_kernel_auto_runs(model_step, cfg, monkeypatch):
     ragged = dataclasses.replace(cfg, moe_dispatch="ragged", moe_kernel="megablox")
     assert model_step.expert_layout(ragged) == "ragged, megablox matmuls, 256-row tiles"
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # auto: ragged rows, megablox
-    assert model_step.expert_layout(cfg) == "ragged, megablox matmuls, 256-row tiles"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # auto: ragged rows, ragged_dot
+    assert model_step.expert_layout(cfg) == "ragged, xla matmuls"
     capacity = dataclasses.replace(cfg, capacity_factor=1.25, moe_kernel="xla")
     assert model_step.expert_layout(capacity) == "capacity (factor 1.25), xla matmuls"
 

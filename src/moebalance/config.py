@@ -75,8 +75,8 @@ class Config:
     moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
     moe_block_size: int = _key(256, "rows per block of the blocked dispatch; on the ragged "
                                "one, megablox's row tile")
-    moe_kernel: str = _key("auto", "the experts' grouped matmuls: auto (by backend, kernels.AUTO: "
-                           "megablox on TPU, else xla) | xla (ragged_dot; on blocks, "
+    moe_kernel: str = _key("auto", "the experts' grouped matmuls: auto (xla, measured fastest on "
+                           "every backend) | xla (ragged_dot; on blocks, "
                            "each block's weights picked, then batched matmuls) | megablox (JAX's "
                            "Pallas kernels for TPU) | pallas (Triton kernels for NVIDIA GPUs, "
                            "blocked layout only); Pallas kernels run interpreted off their backend")

@@ -13,8 +13,7 @@ tile that straddles two groups is visited once per group, masked, so smaller row
 on many small groups (64 experts of a few hundred rows each) and larger ones feed the MXU longer.
 On a TPU a tile's minor dimension comes in whole 128 lanes, and K, N and the rows each are one in
 some of the three kernels, so the row tile is rounded up to a multiple of LANES and K and N are
-zero-padded to multiples of it (exact: the padding adds zero products; `auto` takes the XLA path
-instead where they need it, `fits`, as the padding would be computed too). Off a TPU the kernels
+zero-padded to multiples of it (exact: the padding adds zero products). Off a TPU the kernels
 run in Pallas' interpret mode (exact, slow: for tests). Not inside shard_map (expert parallelism,
 any multi-device mesh): JAX 0.10.2's megablox leaves its output's variance over the mesh axes
 unset, which shard_map's type check refuses.
@@ -28,15 +27,9 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 
 from moebalance.kernels.backend import platform
 
-TILE = 512  # contraction and output columns per tile, untuned (docs/performance.md)
+TILE = 512  # contraction and output columns per tile (on a v5e 512 beat 256 by 1.3-1.7x and
+# matched 1024: docs/performance.md)
 LANES = 128  # a TPU tiles an array's minor dimension in whole 128 lanes
-
-
-def fits(x, w) -> bool:
-    """Whether megablox runs x [..., K] @ w [G, K, N] on a TPU without padding: K and N whole
-    multiples of LANES, outside shard_map."""
-    return (x.shape[-1] % LANES == 0 and w.shape[2] % LANES == 0
-            and not jax.typeof(x).manual_axis_type.varying)
 
 
 def grouped_matmul(x, w, group_sizes, row_tile: int):

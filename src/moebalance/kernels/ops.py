@@ -1,19 +1,21 @@
 """The kernels' face: one function per operation, choosing its implementation by the `moe_kernel`
-config key and the backend, beside the operation's plain XLA path (the reference of the tests).
+config key, beside the operation's plain XLA path (the reference of the tests).
 
     grouped_matmul   y[i] = x[i] @ w[g(i)] over rows sorted by group: the MoE layer's experts
 
-Implementations (KERNELS; `auto` is AUTO[platform()], the fastest measured there, or the XLA path
-where megablox does not fit the operands: megablox.fits):
+Implementations (KERNELS; `auto` is the XLA path, the fastest measured on every backend: on an
+H200 blocks ran at 0.42 of a dense SwiGLU, the Triton kernels untimed; on a TPU v5e ragged_dot at or
+above megablox at every row and column tile, and the d1024 step as fast and 24 s quicker to compile;
+docs/performance.md):
 
     xla       ragged rows: jax.lax.ragged_dot; blocked rows: each block's weights picked by a
               one-hot matmul, then one batched matmul. Any backend.
     megablox  JAX's Pallas grouped matmul for TPUs, gmm / tgmm (megablox.py).
     pallas    Triton kernels for NVIDIA GPUs, blocked rows only (triton.py).
 
-Off its own platform a Pallas kernel runs in interpret mode: exact and slow, for the tests.
-`platform()` is the platform a program is traced for: the mesh's (`jax.set_mesh`), so a step
-compiled on the CPU for a TPU topology makes every choice as on the chip (training/compiled.py).
+Off its own platform a Pallas kernel runs in interpret mode: exact and slow, for the tests. The
+platform is the one a program is traced for (backend.platform: the mesh's, `jax.set_mesh`), so a
+step compiled on the CPU for a TPU topology runs the chip's kernels (training/compiled.py).
 """
 
 from __future__ import annotations
@@ -22,23 +24,14 @@ import jax
 import jax.numpy as jnp
 
 from moebalance.kernels import megablox, triton
-from moebalance.kernels.backend import platform
 
 KERNELS = ("xla", "megablox", "pallas")
-# What `auto` runs (docs/performance.md): CPU and GPU the XLA path (an H200 ran blocks at 0.42 of
-# a dense SwiGLU; the Triton kernels are untimed); TPU megablox, the candidate that awaits its
-# first timing against ragged_dot (0.175 and 0.51 of a dense SwiGLU on a v5e).
-AUTO = {"cpu": "xla", "gpu": "xla", "tpu": "megablox"}
 
 
-def resolve(kernel: str, x: jax.Array | None = None, w: jax.Array | None = None) -> str:
-    """The implementation a `moe_kernel` value runs on this backend (given the operands x and w:
-    `auto` is the XLA path where megablox does not fit them)."""
+def resolve(kernel: str) -> str:
+    """The implementation a `moe_kernel` value runs (`auto`: the XLA path, on every backend)."""
     if kernel == "auto":
-        kernel = AUTO.get(platform(), "xla")
-        if kernel == "megablox" and x is not None and not megablox.fits(x, w):
-            return "xla"
-        return kernel
+        return "xla"
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; choose auto or one of {KERNELS}")
     return kernel
@@ -55,7 +48,7 @@ def grouped_matmul(x, w, groups, *, kernel: str = "auto", row_tile: int = 256):
     kernel: a KERNELS entry or `auto`. row_tile: rows per megablox tile on ragged rows; on blocked
     rows its tile is the block (megablox rounds either up to whole 128 lanes).
     """
-    kernel = resolve(kernel, x, w)
+    kernel = resolve(kernel)
     if x.ndim == 3:
         nb, b, k = x.shape
         if kernel == "pallas":

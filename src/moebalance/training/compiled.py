@@ -10,7 +10,7 @@ comes from `jax.experimental.topologies` and needs libtpu importable (`pip insta
 "moebalance[tpu]"`, or libtpu alone beside the environment), not a chip: MaxText's
 `train_compile` does the same. `cpu` compiles for this machine's CPU. The mesh carries the
 topology's platform, so every choice the code makes by platform (kernels.platform: the MoE layout
-and kernel of `auto`, Pallas interpret mode) is the chip's.
+of `auto`, Pallas' interpret mode) is the chip's.
 
 memory_bytes(stats): XLA's `memory_analysis()` per device: argument (model, optimizer, batch),
 output, alias (outputs written into a donated argument's buffer), temp (every other buffer: the
