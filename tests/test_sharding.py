@@ -34,8 +34,10 @@ def one(tmp_path_factory):
     (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), [1, 1, 8])])
 def test_one_device_equals_eight(tmp_path, one, mesh, shape):
     """3 training steps of 2 micro-batches on 8 devices (expert parallelism where the `expert`
-    axis is > 1) against 1 device: counts exactly, every float to 1e-5."""
+    axis is > 1) against 1 device: counts exactly, every float to 1e-5; and the steps after the
+    first compile nothing (the state a step returns is taken by the same program next time)."""
     eight = run_on(8, tmp_path / "eight.npz", *mesh)
+    assert eight["compiles_after_the_first_step"] == 0
     assert list(one["mesh"]) == [1, 1, 1] and list(eight["mesh"]) == shape
     data, fsdp, expert = shape
     assert ("fsdp" in str(eight["embed_spec"])) == (fsdp > 1)  # parameters really are split
@@ -70,3 +72,5 @@ def test_param_spec_splits_largest_divisible_axis_not_the_layer_axis():
     assert sharding.param_spec(("w",), (6, 5), 4) == P()
     assert sharding.param_spec(("segments", 1, "units", "w"), (64, 8, 32), 8) == P(None, None, "fsdp")
     assert sharding.param_spec(("w",), (64, 8), 1) == P()
+    assert sharding.param_spec(("segments", 0, "units", "ffn", "w1"), (2, 8, 64, 32), 1, 4) == P(
+        None, "expert", None, None)

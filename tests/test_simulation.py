@@ -7,6 +7,8 @@ import pytest
 from moebalance import balancing, simulate
 from moebalance.metrics import load_stats
 
+pytestmark = pytest.mark.usefixtures("optimised_programs")  # 800 steps: running, not compiling
+
 SIM = simulate.Simulation(skew=0.5, seed=0)
 STEPS = 800
 

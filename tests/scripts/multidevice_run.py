@@ -1,11 +1,13 @@
 """Helper for test_sharding: train 3 steps of a small config on however many CPU devices this
 process has (set by XLA_FLAGS before JAX starts) and dump counts, biases, losses and the router and
-output logits of the trained model on the first batch."""
+output logits of the trained model on the first batch, and how many programs the steps after
+the first compiled."""
 
 import sys
 
 import jax
 import numpy as np
+from jax import monitoring
 from flax import nnx
 
 from moebalance.config import load_config
@@ -28,10 +30,17 @@ def main(out: str, *overrides: str):
     step = make_train_step(cfg, model, mesh)
     data = batches(cfg)
     results = {"counts": [], "loss": [], "grad_norm": []}
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
     for i in range(3):
+        if i == 1:
+            compiles.clear()
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
+    compiles_after_first = list(compiles)
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -46,6 +55,7 @@ def main(out: str, *overrides: str):
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
              router_logits=router_logits, embed=np.asarray(embed),
+             compiles_after_the_first_step=len(compiles_after_first),
              **{k: np.stack(v) for k, v in results.items()})
 
 
