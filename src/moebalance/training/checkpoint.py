@@ -38,17 +38,18 @@ def _pure(model, optimizer) -> dict:
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer))}
 
 
-@jax.jit
-def _all_finite(arrays: list) -> list:
-    return [jnp.isfinite(x).all() for x in arrays]
+# One small program per distinct shape and dtype (52 for deepseek4-tiny's 373 arrays), not one
+# program over all the arrays: XLA compiles a reduction per output either way, and the single
+# program took 16 s to compile for deepseek4-tiny on a 2-core CPU (the step itself 35 s)
+_finite = jax.jit(lambda x: jnp.isfinite(x).all())
 
 
 def non_finite(model, optimizer) -> str | None:
     """The path of the first floating-point variable of model or optimizer state holding a NaN
-    or an infinity, or None (one compiled reduction over all of them)."""
+    or an infinity, or None (one reduction per variable, one transfer of the answers)."""
     flat = jax.tree_util.tree_flatten_with_path(_pure(model, optimizer))[0]
     floats = [(path, x) for path, x in flat if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    finite = jax.device_get(_all_finite([x for _, x in floats]))
+    finite = jax.device_get([_finite(x) for _, x in floats])
     return next((jax.tree_util.keystr(path) for (path, _), ok in zip(floats, finite) if not ok),
                 None)
 
