@@ -40,16 +40,18 @@ def _pure(model, optimizer) -> dict:
 
 # One small program per distinct shape and dtype (52 for deepseek4-tiny's 373 arrays), not one
 # program over all the arrays: XLA compiles a reduction per output either way, and the single
-# program took 16 s to compile for deepseek4-tiny on a 2-core CPU (the step itself 35 s)
+# program took 16 s to compile for deepseek4-tiny on a 2-core CPU (the step itself 35 s). Each
+# answer is read before the next program starts: on a multi-device mesh each is a collective, and
+# hundreds of them in flight at once deadlocked the CPU's simulated devices (4 devices, 2 cores)
 _finite = jax.jit(lambda x: jnp.isfinite(x).all())
 
 
 def non_finite(model, optimizer) -> str | None:
     """The path of the first floating-point variable of model or optimizer state holding a NaN
-    or an infinity, or None (one reduction per variable, one transfer of the answers)."""
+    or an infinity, or None (one reduction per variable, each answer read before the next)."""
     flat = jax.tree_util.tree_flatten_with_path(_pure(model, optimizer))[0]
     floats = [(path, x) for path, x in flat if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    finite = jax.device_get([_finite(x) for _, x in floats])
+    finite = [bool(_finite(x)) for _, x in floats]
     return next((jax.tree_util.keystr(path) for (path, _), ok in zip(floats, finite) if not ok),
                 None)
 
