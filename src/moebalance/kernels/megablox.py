@@ -27,7 +27,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm
 
 from moebalance.kernels.backend import platform
 
-TILE = 512  # contraction and output columns per tile (on a v5e 512 beat 256 by 1.3-1.7x and
+TILE = 512  # contraction and output columns per tile (on a v5e 512 beat 256 by 1.2-1.9x and
 # matched 1024: docs/performance.md)
 LANES = 128  # a TPU tiles an array's minor dimension in whole 128 lanes
 
