@@ -19,11 +19,13 @@
 #     with less recomputation than `goals`' full remat, the two policies XLA compiles for the
 #     chip on the CPU (benchmarks/aot_memory.py; remat none is refused even at 1 x 2048):
 #     remat_policy=minimal (temporaries 9.59 GiB) and save_experts, each a run of the record;
-#   bash benchmarks/tpu.sh experts  (~5 minutes) issue 40's goal 4: the MoE layer alone
+#   bash benchmarks/tpu.sh experts  (~8 minutes) issue 40's goal 4: the MoE layer alone
 #     (moe_layer.py: forward + backward against a dense SwiGLU of the same FLOPs), ragged_dot
-#     and megablox at row tiles 128-512 and column tiles 256-1024: the d1024 experts (64 of
-#     1024 x 512, top-6) on one 2 x 2048 micro-batch, then both of issue 35's shapes on 16,384
-#     tokens -> $OUT/moe_layer.json (a JSON line each);
+#     and megablox at row tiles 128-512: the d1024 experts (64 of 1024 x 512, top-6) on one
+#     2 x 2048 micro-batch with column tiles 256 and 512 (97 s on 2026-12-06), then both of issue
+#     35's shapes on 16,384 tokens with column tiles 512 and 1024 (256 was 1.2-1.9x slower in
+#     every run; with it this part ran past its 300 s limit on the second shape)
+#     -> $OUT/moe_layer.json (a JSON line each; benchmarks/results/moe-layer-v5e.json);
 #   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
 #     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
@@ -124,7 +126,7 @@ experts)
     MOE="python3 benchmarks/moe_layer.py --dtype bfloat16 --dispatch ragged --kernels xla,megablox"
     part 150 moe_layer $MOE --tokens 4096 --block-sizes 128,256,512 --col-tiles 256,512 \
         --shapes 64:6:1024:512 --only-shapes
-    part 300 moe_layer $MOE --tokens 16384 --block-sizes 128,256,512 --col-tiles 256,512,1024 \
+    part 400 moe_layer $MOE --tokens 16384 --block-sizes 128,256,512 --col-tiles 512,1024 \
         --shapes 64:6:1024:512,16:6:4096:2048 --only-shapes
     cat "$OUT/moe_layer.json"
     ;;
