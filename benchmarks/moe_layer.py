@@ -10,7 +10,8 @@ matmuls (`moe_kernel`, kernels/ops.py; a Pallas kernel off its backend runs inte
 pallas takes blocked rows only), each at every `--block-sizes` value where the block matters (the
 blocked layout's rows per block; megablox's row tile on ragged rows), megablox at every
 `--col-tiles` value (its contraction and output columns per tile, kernels/megablox.py's TILE, set
-for the run); `--shapes 64:6:1024:512` adds shapes. The TPU run of issue 35 (megablox's row tiles against ragged_dot):
+for the run); `--shapes 64:6:1024:512` adds shapes. The TPU run of issue 35 (megablox's row
+tiles against ragged_dot):
 
     python benchmarks/moe_layer.py --tokens 16384 --dtype bfloat16 --dispatch ragged
         --kernels xla,megablox --block-sizes 128,256,512

@@ -40,7 +40,7 @@ def main(out: str, *overrides: str):
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
-    compiles_after_first = list(compiles)
+    compiles_after_first = len(compiles)  # the forward below compiles more
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -55,7 +55,7 @@ def main(out: str, *overrides: str):
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
              router_logits=router_logits, embed=np.asarray(embed),
-             compiles_after_the_first_step=len(compiles_after_first),
+             compiles_after_the_first_step=compiles_after_first,
              **{k: np.stack(v) for k, v in results.items()})
 
 

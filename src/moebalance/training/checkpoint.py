@@ -48,11 +48,11 @@ _finite = jax.jit(lambda x: jnp.isfinite(x).all())
 
 def non_finite(model, optimizer) -> str | None:
     """The path of the first floating-point variable of model or optimizer state holding a NaN
-    or an infinity, or None (one reduction per variable, each answer read before the next)."""
+    or an infinity, or None (one reduction per variable, each answer read before the next, up to
+    the first such variable)."""
     flat = jax.tree_util.tree_flatten_with_path(_pure(model, optimizer))[0]
-    floats = [(path, x) for path, x in flat if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    finite = [bool(_finite(x)) for _, x in floats]
-    return next((jax.tree_util.keystr(path) for (path, _), ok in zip(floats, finite) if not ok),
+    return next((jax.tree_util.keystr(path) for path, x in flat
+                 if jnp.issubdtype(jnp.result_type(x), jnp.floating) and not bool(_finite(x))),
                 None)
 
 
