@@ -45,7 +45,8 @@
 #     seconds (default 540) with a checkpoint, which the same call on the still-warm machine
 #     continues; on a fresh machine STUDY_FROM=FILE (a study.json brought back by an earlier call)
 #     keeps that study's finished arms and trains the others; study.json and study.md -> $OUT
-#     (2026-12-06: the default study in 1,232 s over three calls, study-v5e.json);
+#     (2026-12-06/07: --arm aux --arm loss-free, the loss-free arm 759 s over two calls,
+#     study-v5e.json; at 65521cf's 4 x 1024 tokens three arms in 1,232 s, study-v5e-65521cf.json);
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
