@@ -361,8 +361,8 @@ def set_biases(model: DeepSeekV4, biases: jax.Array) -> None:
         if isinstance(new, jax.core.Tracer):
             # under jit, not var[...] = new: nnx's indexed write compares the value's and the
             # variable's `sharding`, and each such read of a tracer builds an error message
-            # walking the whole traced program (3.5 s of the 19 s deepseek4-tiny's step took to
-            # trace on a 2-core CPU)
+            # walking the whole traced program (2 of the ~9 s it took to lower deepseek4-tiny's
+            # step on a 2-core CPU)
             var.set_value(new)
         else:
             var[...] = new  # keeps the variable's placement if the value's differs
