@@ -35,6 +35,9 @@
 #   bash benchmarks/tpu.sh speed    (~8 minutes) the issue-40 pair: profile_step.py on the 8-layer
 #     2 x 2048 step (device time by part, $OUT/profile-d1024.json) and model_step.py at MaxText's
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
+#   bash benchmarks/tpu.sh d1024 B A [key=value ...]  (~4 minutes) one run of the record: the
+#     d1024 step with bf16 weights, A micro-batches of B x 2048 tokens, the overrides given
+#     (e.g. `d1024 4 2 remat_policy=minimal`: 16,384 tokens a step as 2 x (4 x 2048));
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile: $OUT/ab.prof, abprofile.txt;
@@ -152,6 +155,13 @@ speed)
         base_num_decoder_layers=9 "compress_ratios=[0,0,4,128,4,128,4,128,4]"
     cat "$OUT/d1024.json"
     ;;
+d1024)
+    shift
+    part "${PART_LIMIT:-290}" d1024 python3 benchmarks/model_step.py --config "$D1024" \
+        --batch "$1" --seq 2048 --steps 4 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" \
+        weight_dtype=bfloat16 "gradient_accumulation_steps=$2" "${@:3}"
+    cat "$OUT/d1024.json"
+    ;;
 goals)
     part 280 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
         --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES: MaxText's shape" $BF16 \
@@ -221,7 +231,8 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
+    echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals"
+        "|d1024 B A [key=value ...]" \
         "|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
     ;;

@@ -21,5 +21,5 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo pyth
     treescope humanize simplejson aiofiles prometheus-client uvloop etils cloudpickle msgpack \
     tensorboardX==2.6.5 psutil rich==15.0.0 markdown-it-py mdurl pygments absl-py \
     pytest==9.2.0 pytest-xdist==3.8.0 execnet pluggy iniconfig hypothesis==6.170.17 \
-    sortedcontainers attrs
+    sortedcontainers attrs zstandard==0.25.0
 du -sh .whl-tpu && ls .whl-tpu
