@@ -346,3 +346,35 @@ def test_traced_initialiser_draws_the_keys_of_flax_own_stream():
     np.testing.assert_array_equal(a, 2.0 * jax.random.normal(keys[0], (5,), jnp.float32))
     np.testing.assert_array_equal(b, jax.random.normal(keys[1], (2, 3)).astype(jnp.bfloat16))
     np.testing.assert_array_equal(after, jax.random.key_data(keys[2]))
+
+
+def test_eager_initialiser_is_numpy_normal_from_the_rngs_seed():
+    """Eagerly, a parameter is std * NumPy's float32 normal from the seed the Rngs stream gives."""
+    rngs = nnx.Rngs(3)
+    got = layers.init_normal(rngs, (40, 7), jnp.bfloat16, 0.5)
+    seed = np.asarray(jax.random.key_data(nnx.Rngs(3).params())).ravel()
+    want = np.random.default_rng(seed).standard_normal((40, 7), dtype=np.float32) * 0.5
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), want.astype(jnp.bfloat16))
+
+
+def test_large_draws_are_chunks_of_independent_seeds_whatever_the_threads(monkeypatch):
+    """A parameter larger than DRAW_CHUNK is drawn chunk by chunk on threads: chunk i is NumPy's
+    normal from the i-th child of the seed (SeedSequence.spawn), the same with one thread or many,
+    and no chunk repeats another."""
+    monkeypatch.setattr(layers, "DRAW_CHUNK", 1000)
+    seed = np.array([7, 11], np.uint32)
+    monkeypatch.setattr(layers.os, "cpu_count", lambda: 1)
+    one = layers.host_normal(seed, (45, 101), np.dtype(np.float32), 2.0)  # 4,545 values: 5 chunks
+    monkeypatch.setattr(layers.os, "cpu_count", lambda: 8)
+    many = layers.host_normal(seed, (45, 101), np.dtype(np.float32), 2.0)
+    np.testing.assert_array_equal(one, many)
+    flat = one.ravel()
+    children = np.random.SeedSequence(seed).spawn(5)
+    for i, child in enumerate(children):
+        n = min(1000, flat.size - 1000 * i)
+        want = np.random.default_rng(child).standard_normal(n, dtype=np.float32) * 2.0
+        np.testing.assert_array_equal(flat[1000 * i:1000 * i + n], want)
+    starts = {tuple(flat[i:i + 4]) for i in range(0, flat.size, 1000)}
+    assert len(starts) == 5
+    assert abs(flat.mean()) < 0.1 and abs(flat.std() - 2.0) < 0.1
