@@ -57,6 +57,7 @@ from moebalance.model.moe import resolve_dispatch
 from moebalance.model.transformer import DeepSeekV4, parameter_counts, placeholder_hash_tables
 from moebalance.runtime import reexec_with_hugepage_malloc
 from moebalance.training import plan, sharding
+from moebalance.training.compiled import resolve_remat
 from moebalance.training.loop import build
 from moebalance.training.step import make_train_step
 
@@ -237,6 +238,7 @@ def bench(config, overrides, batch, seq, steps, dtype):
                                f"per_device_batch_size={batch // jax.device_count()}"])
     start = time.perf_counter()
     mesh = sharding.make_mesh(cfg)
+    cfg = resolve_remat(cfg, mesh)  # remat_policy=auto: compiles the candidates first
     data = batches(cfg)  # text configs: the cached tokenizer and streams
     model, optimizer = build(cfg, mesh, data)
     init_s = time.perf_counter() - start

@@ -5,6 +5,7 @@ step compiled for a TPU topology makes the chip's choices."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -89,3 +90,71 @@ def test_plan_compile_prints_xlas_account_beside_the_plan(capsys):
     assert cli.main(["plan", "deepseek4-smoke", "--devices", "2", "--compile", "cpu"]) == 2
     assert "--compile cpu has 1 devices, --devices says 2: give --devices 1" in (
         capsys.readouterr().err)
+
+
+def fake_compiles(monkeypatch, needs: dict):
+    """compiled_memory replaced: `needs` {policy: GiB needed, or None: the compiler refuses};
+    -> the policies compiled, in order."""
+    compiled_for = []
+
+    def compiled_memory(cfg, devices):
+        compiled_for.append(cfg.remat_policy)
+        gib = needs[cfg.remat_policy]
+        stats = ({"temp": 20 * GIB, "refused": "RESOURCE_EXHAUSTED"} if gib is None
+                 else {"needed": int(gib * GIB), "temp": int(gib * GIB) // 2})
+        return stats, 1.0, None
+
+    monkeypatch.setattr(compiled, "compiled_memory", compiled_memory)
+    return compiled_for
+
+
+def test_auto_takes_the_least_recompute_that_fits_in_that_order(monkeypatch):
+    cfg = load_config("deepseek4-smoke", ["remat_policy=auto"])
+    compiled_for = fake_compiles(monkeypatch, {"none": None, "save_experts": 12.0,
+                                               "minimal": 9.0, "full": 6.0})
+    policy, tried = compiled.least_recompute_that_fits(cfg, [], 10 * GIB)
+    assert policy == "minimal" and compiled_for == ["none", "save_experts", "minimal"]
+    assert [t["remat"] for t in tried] == compiled_for and tried[-1]["memory"]["needed"] == 9 * GIB
+    assert compiled.tried_summary(tried) == ("none refused (temporaries 20.00 GiB), "
+                                             "save_experts 12.00 GiB, minimal 9.00 GiB")
+    compiled_for.clear()
+    assert compiled.least_recompute_that_fits(cfg, [], 12 * GIB)[0] == "save_experts"
+    compiled_for.clear()
+    assert compiled.least_recompute_that_fits(cfg, [], None) == ("none", [])  # a CPU: no limit
+    assert compiled_for == []
+    with pytest.raises(ConfigError, match=r"no policy's step fits 5.00 GiB.*full 6.00 GiB\): "
+                                          "spread it over more devices"):
+        compiled.least_recompute_that_fits(cfg, [], 5 * GIB)
+
+
+def test_auto_is_chosen_once_for_runs_that_share_a_program(monkeypatch):
+    """The A/B's two runs (and a study's arms) differ in their balancing switches only: one
+    choice, compiled once; another shape is chosen anew; a given policy is left alone."""
+    compiled_for = fake_compiles(monkeypatch, {"none": None, "save_experts": 3.0,
+                                               "minimal": 2.0, "full": 1.0})
+    device = types.SimpleNamespace(id=7, memory_stats=lambda: {"bytes_limit": 4 * GIB})
+    mesh = types.SimpleNamespace(devices=np.array([device]))
+    monkeypatch.setattr(compiled, "_CHOSEN", {})
+    run_b = load_config("deepseek4-smoke", ["remat_policy=auto", "steps=3"])
+    run_a = load_config("deepseek4-smoke", ["remat_policy=auto", "steps=5", "routed_bias=false",
+                                            "routed_bias_update_rate=0"])
+    assert compiled.resolve_remat(run_b, mesh).remat_policy == "save_experts"
+    assert compiled.resolve_remat(run_a, mesh) == dataclasses.replace(run_a,
+                                                                      remat_policy="save_experts")
+    assert compiled_for == ["none", "save_experts"]
+    larger = load_config("deepseek4-smoke", ["remat_policy=auto", "per_device_batch_size=8"])
+    assert compiled.resolve_remat(larger, mesh).remat_policy == "save_experts"
+    assert compiled_for == ["none", "save_experts"] * 2
+    given = load_config("deepseek4-smoke", ["remat_policy=full"])
+    assert compiled.resolve_remat(given, mesh) is given and compiled.resolve_remat(None, mesh) is None
+
+
+def test_a_model_is_not_built_with_auto_and_the_plan_shows_every_policy():
+    from flax import nnx
+
+    from moebalance.model.transformer import DeepSeekV4
+
+    cfg = load_config("deepseek4-smoke", ["remat_policy=auto"])
+    with pytest.raises(ConfigError, match="remat_policy auto is chosen per run"):
+        DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+    assert list(plan.plan(cfg, 1).activations) == ["none", "full", "save_experts", "minimal"]

@@ -18,7 +18,10 @@ import yaml
 PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
 EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (kernels/ops.py)
-REMAT_POLICIES = ("none", "full", "minimal", "save_experts")  # model/transformer.py
+# model/transformer.py, from the least recomputation to the most; `auto` tries them in this order
+# (training/compiled.resolve_remat)
+REMAT_ORDER = ("none", "save_experts", "minimal", "full")
+REMAT_POLICIES = (*REMAT_ORDER, "auto")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")  # model/layers.matmul_precision
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
@@ -96,7 +99,8 @@ class Config:
     remat_policy: str = _key("none", "what each block keeps for the backward pass, the rest "
                              "recomputed: none (everything) | full (its inputs only) | minimal "
                              "(+ the weight matmuls' outputs) | save_experts (+ the routed "
-                             "experts' matmuls')")
+                             "experts' matmuls') | auto (the least recompute whose step, "
+                             "compiled for the run's devices, fits their memory)")
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")

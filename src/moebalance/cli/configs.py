@@ -4,6 +4,7 @@ nothing allocated."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 
@@ -93,6 +94,7 @@ def _compile_for_plan(cfg, args) -> dict:
     """plan --compile: XLA's memory of the step compiled for the topology (training/compiled)."""
     from moebalance.config import ConfigError
     from moebalance.training import compiled
+    from moebalance.training.plan import GIB
 
     devices = compiled.topology_devices(args.compile)
     args.devices = args.devices or len(devices)
@@ -101,16 +103,30 @@ def _compile_for_plan(cfg, args) -> dict:
                           f"{args.devices}: give --devices {len(devices)}")
     logging.getLogger("moebalance").info(
         "compiling the training step for %s (minutes for a large model)", args.compile)
-    memory, seconds, _ = compiled.compiled_memory(cfg, devices)
+    tried = []
+    if cfg.remat_policy == "auto":  # the policy a run on those devices would choose
+        if args.device_memory is None:
+            raise ConfigError(f"remat_policy=auto with --compile {args.compile}: give "
+                              "--device-memory, the GiB per device its step must fit (v5e: 15.75)")
+        policy, tried = compiled.least_recompute_that_fits(cfg, devices,
+                                                           int(args.device_memory * GIB))
+        cfg = dataclasses.replace(cfg, remat_policy=policy)
+        memory, seconds = tried[-1]["memory"], tried[-1]["compile_s"]
+    else:
+        memory, seconds, _ = compiled.compiled_memory(cfg, devices)
     return {"topology": args.compile, "device": devices[0].device_kind, "remat": cfg.remat_policy,
-            "memory": memory, "compile_s": round(seconds, 1),
+            "memory": memory, "compile_s": round(seconds, 1), "tried": tried,
             "traced": compiled.traced_layout(cfg, devices)}
 
 
 def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: str,
                     scale: int) -> None:
+    from moebalance.training.compiled import tried_summary
     from moebalance.training.plan import GIB
 
+    if compiled["tried"]:
+        print(f"remat_policy auto: {compiled['remat']}, the least recompute that fits "
+              f"{device_memory:g} GiB ({tried_summary(compiled['tried'])})")
     memory = {k: v / scale if isinstance(v, int) else v for k, v in compiled["memory"].items()}
     head = (f"XLA, the step compiled for {compiled['topology']} ({compiled['device']}, remat "
             f"{compiled['remat']}) in {compiled['compile_s']:.0f} s, {unit} per device:")

@@ -89,6 +89,10 @@ class Block(nnx.Module):
         d, m, eps = cfg.base_emb_dim, cfg.hc_mult, cfg.normalization_layer_epsilon
         hc = dict(iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=eps, rngs=rngs)
         self.freqs = tuple(float(f) for f in layer_freqs(cfg, ratio))
+        if cfg.remat_policy == "auto":
+            raise ConfigError("remat_policy auto is chosen per run, on its devices "
+                              "(training.compiled.resolve_remat): give none, save_experts, "
+                              "minimal or full to build a model directly")
         self.remat = cfg.remat_policy
         self.attn_hc = HyperConnection(d, m, **hc)
         self.attn_norm = RMSNorm(d, eps)

@@ -24,6 +24,8 @@ temporaries exceed the device is refused by the compiler: `refusal` reads what i
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import re
 import time
 
@@ -31,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moebalance.config import Config, ConfigError
+from moebalance.config import REMAT_ORDER, Config, ConfigError
 from moebalance.model.moe import resolve_dispatch
 from moebalance.training import sharding
 from moebalance.training.plan import GIB, abstract_model, abstract_optimizer
-from moebalance.training.step import lower_train_step
+from moebalance.training.step import SWITCHES, lower_train_step
 
 REFUSED = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
 
@@ -132,3 +134,52 @@ def compiled_memory(cfg: Config, devices: list, options: dict | None = None):
             raise
         return refused, time.perf_counter() - start, None
     return memory_bytes(compiled.memory_analysis()), time.perf_counter() - start, compiled
+
+
+def least_recompute_that_fits(cfg: Config, devices: list, memory: int | None):
+    """`remat_policy: auto` for `devices` with `memory` bytes each: the first policy of
+    REMAT_ORDER whose step, compiled for them, XLA accepts and needs at most `memory` of
+    (`needed`); with `memory` None (devices whose memory JAX does not report: CPUs, whose memory
+    is the host's) `none`, compiling nothing. -> (policy, [{"remat", "compile_s", "memory":
+    compiled_memory's} of each policy compiled, the chosen one last])."""
+    if memory is None:
+        return "none", []
+    tried = []
+    for policy in REMAT_ORDER:
+        stats, seconds, _ = compiled_memory(dataclasses.replace(cfg, remat_policy=policy), devices)
+        tried.append({"remat": policy, "compile_s": round(seconds, 1), "memory": stats})
+        if "refused" not in stats and stats["needed"] <= memory:
+            return policy, tried
+    raise ConfigError(f"remat_policy auto: no policy's step fits {memory / GIB:.2f} GiB per "
+                      f"device ({tried_summary(tried)}): spread it over "
+                      "more devices, or lower per_device_batch_size or max_target_length (with "
+                      "more gradient_accumulation_steps for the same tokens per step)")
+
+
+# remat_policy auto's choices in this process: runs that differ only in their balancing switches
+# or their steps (the A/B's, a study's arms) have one step program and one choice
+_CHOSEN: dict[tuple, str] = {}
+
+
+def resolve_remat(cfg: Config | None, mesh) -> Config | None:
+    """`cfg` with `remat_policy: auto` chosen for the devices of `mesh` and the memory JAX reports
+    for them (least_recompute_that_fits); any other policy (or None) as it is."""
+    if cfg is None or cfg.remat_policy != "auto":
+        return cfg
+    devices = list(mesh.devices.flat)
+    program = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in (*SWITCHES, "steps")}
+    key = (json.dumps(program, sort_keys=True), tuple(d.id for d in devices))
+    if key not in _CHOSEN:
+        memory = (devices[0].memory_stats() or {}).get("bytes_limit")
+        _CHOSEN[key], tried = least_recompute_that_fits(cfg, devices, memory)
+        if tried:
+            logging.getLogger("moebalance").info("remat_policy auto: %s (%s)", _CHOSEN[key],
+                                                 tried_summary(tried))
+    return dataclasses.replace(cfg, remat_policy=_CHOSEN[key])
+
+
+def tried_summary(tried: list[dict]) -> str:
+    """'none refused (temporaries 21.20 GiB), save_experts 12.31 GiB, ...'"""
+    return ", ".join(f"{t['remat']} refused (temporaries {t['memory']['temp'] / GIB:.2f} GiB)"
+                     if "refused" in t["memory"] else
+                     f"{t['remat']} {t['memory']['needed'] / GIB:.2f} GiB" for t in tried)

@@ -35,7 +35,7 @@ from moebalance.metrics import STAT_NAMES, load_stats, rank_loads
 from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables, routed_layers
 from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
-from moebalance.training import checkpoint, sharding
+from moebalance.training import checkpoint, compiled, sharding
 from moebalance.training.calibration import calibration_batches, final_probe, probe_counts
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
 from moebalance.training.step import (make_eval_step, make_train_step, new_optimizer,
@@ -51,12 +51,13 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     sharding.initialize_distributed(cfg)
     writer = jax.process_index() == 0
     with RunDir(out).writing(writer) as run:
+        mesh = sharding.make_mesh(cfg)
+        cfg, program = compiled.resolve_remat(cfg, mesh), compiled.resolve_remat(program, mesh)
         planned = cfg.steps  # the run's own total: another on resume extends or shortens it
         if resume:
             planned = run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS).steps
         else:
             run.check_new(overwrite)
-        mesh = sharding.make_mesh(cfg)
         train_data = data.batches(cfg, "train")  # checks the data before anything is written
         probes = probe_set(cfg, mesh)
         sharding.sync_processes("run directory checked")  # by all, before process 0 writes

@@ -61,7 +61,7 @@ from flax import nnx
 from jax.extend.core import Literal
 from jax.sharding import AbstractMesh, AxisType
 
-from moebalance.config import Config, ConfigError
+from moebalance.config import REMAT_ORDER, Config, ConfigError
 from moebalance.model.expert_parallel import fast_slots
 from moebalance.model.transformer import (Block, DeepSeekV4, layer_kinds, placeholder_hash_tables,
                                           routed_layers)
@@ -84,7 +84,7 @@ class Plan:
     optimizer: int
     gradients: int
     gathered: int
-    activations: dict  # {policy: bytes}: none, full and the config's remat_policy
+    activations: dict  # {policy: bytes}: none, full and the config's remat_policy (auto: all)
     block: int  # the largest block's residuals (a part of the activations)
     all_to_all: dict  # {"fast"|"worst": {policy: bytes sent per step}}: buffer, remat
     cross_host: float  # share of the all-to-all device pairs on two hosts (of bytes: evenly routed)
@@ -270,7 +270,8 @@ def plan(cfg: Config, devices: int, device_memory_gib: float = 0.0,
     if devices_per_host < 1:
         raise ConfigError(f"--devices-per-host must be >= 1, got {devices_per_host}")
     mesh = abstract_mesh(cfg, devices)
-    policies = tuple(dict.fromkeys(("none", "full", cfg.remat_policy)))
+    asked = REMAT_ORDER if cfg.remat_policy == "auto" else (cfg.remat_policy,)
+    policies = tuple(dict.fromkeys(("none", "full", *asked)))
     traced = {remat: traced_config(cfg, remat) for remat in policies}
     models = {remat: abstract_model(c) for remat, c in traced.items()}  # the same variables
     model, blocks = models["none"], abstract_blocks(traced["none"])
