@@ -51,8 +51,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
     sharding.initialize_distributed(cfg)
     writer = jax.process_index() == 0
     with RunDir(out).writing(writer) as run:
-        mesh = sharding.make_mesh(cfg)
-        cfg, program = compiled.resolve_remat(cfg, mesh), compiled.resolve_remat(program, mesh)
+        mesh, cfg, program = _on_devices(cfg, program)
         planned = cfg.steps  # the run's own total: another on resume extends or shortens it
         if resume:
             planned = run.check_resumable(cfg, may_differ=sharding.LAUNCH_KEYS).steps
@@ -103,6 +102,12 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
             if record:
                 sinks.end(record)
     return record
+
+
+def _on_devices(cfg: Config, program: Config | None):
+    """(the run's mesh, cfg, program) with their `remat_policy: auto` chosen for its devices."""
+    mesh = sharding.make_mesh(cfg)
+    return mesh, compiled.resolve_remat(cfg, mesh), compiled.resolve_remat(program, mesh)
 
 
 def layer_routing(cfg: Config, model) -> list[str]:
