@@ -13,12 +13,15 @@ file is read) and by the tests' own subprocesses:
   on an accelerator in one process (`-n 0`); `tolerance()` widens their float tolerances there;
 - `optimised_programs`, for the few tests whose time is running a program many times, not
   compiling it: their programs compiled at XLA's usual optimisation level;
-- `moebalance_logger`, for the tests that run cli.main;
+- `moebalance_logger`, for the tests that run cli.main; `run_cli`, for those that run the
+  command in a new process;
 - after each module, the compiled programs released (`release_compiled_programs`).
 """
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -95,6 +98,18 @@ def function_rtol(rtol: float, function: str, times: int = 1) -> float:
     if jax.default_backend() == "tpu":
         return max(rtol, times * TPU_FUNCTION_RTOL[function])
     return rtol
+
+
+def run_cli(args, cache, main=("-m", "moebalance.cli"), **env):
+    """The installed command's code path (`python -m moebalance.cli`: cli.entry) in a new process
+    keeping compiled programs in `cache`, or `main`, another script, with `env` added (a None
+    value removes the variable); -> (stdout, stderr)."""
+    env = {**os.environ, "MOEBALANCE_CACHE_DIR": str(cache), "JAX_COMPILATION_CACHE_DIR": None,
+           **env}
+    env = {name: value for name, value in env.items() if value is not None}
+    done = subprocess.run([sys.executable, *main, *args], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
 
 
 @pytest.fixture

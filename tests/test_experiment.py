@@ -1,8 +1,10 @@
 import json
+import types
 
 import numpy as np
 import pytest
 
+from conftest import run_cli
 from moebalance import cli
 from moebalance.config import ConfigError, load_config
 from moebalance.experiment import ab, without_balancing
@@ -24,12 +26,56 @@ def test_run_a_has_every_balancing_mechanism_off():
     assert a.router_z_loss_weight == cfg.router_z_loss_weight and a.seed == cfg.seed
 
 
-def test_ab_end_to_end(tmp_path, capsys, moebalance_logger):
-    out, overrides = tmp_path / "exp", {**AB, "hash_table": "balanced"}
-    command = ["ab", "deepseek4-smoke", *(f"{key}={value}" for key, value in overrides.items()),
-               "--out", str(out)]
-    assert cli.main([*command, "-v"]) == 0
-    verbose = capsys.readouterr()
+# cli.main with the cache on, counting XLA compilations (by function) and persistent-cache hits
+COUNT_COMPILES = """
+import collections, json, sys
+from jax import monitoring
+from moebalance import cli
+
+compiles, hits = collections.Counter(), []
+monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: event == "/jax/core/compile/backend_compile_duration"
+    and compiles.update([kw["fun_name"]]))
+monitoring.register_event_listener(
+    lambda event, **kw: event == "/jax/compilation_cache/cache_hits" and hits.append(event))
+assert cli.main(sys.argv[1:], compile_cache=True) == 0
+print(json.dumps({"compiles": compiles, "hits": len(hits)}))
+"""
+OVERRIDES = {**AB, "hash_table": "balanced"}
+COMMAND = ["ab", "deepseek4-smoke", *(f"{key}={value}" for key, value in OVERRIDES.items())]
+KEEP_ALL = dict(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # every program into the cache
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    """One A/B experiment, `moebalance ab ... -v` in a new process with an empty compilation
+    cache, counting its compilations: -> (its folder, the cache, stdout, stderr); the tests of
+    this module read it and resume it (finished: nothing is trained again)."""
+    tmp = tmp_path_factory.mktemp("ab")
+    out, cache = tmp / "exp", tmp / "xla"
+    stdout, stderr = run_cli([*COMMAND, "--out", str(out), "-v"], cache,
+                             main=("-c", COUNT_COMPILES), **KEEP_ALL)
+    return out, cache, stdout, stderr
+
+
+def test_ab_compiles_each_program_once_and_a_later_train_loads_its_step(experiment, tmp_path):
+    _, cache, stdout, _ = experiment
+    counted = json.loads(stdout.splitlines()[-1])
+    # one training step for Run A and Run B (Run A runs Run B's program with its balancing off)
+    assert counted["compiles"]["jit(step)"] == 1  # training/step.py's
+    assert counted["compiles"]["jit(eval_step)"] == 1
+    # every program went into an empty cache as it was compiled: one compiled twice would have
+    # been found there
+    assert counted["hits"] == 0 and any(cache.iterdir())
+    # a second process training Run B's config compiles no training step: it loads it
+    _, log = run_cli(["train", *COMMAND[1:], "--out", str(tmp_path / "train")], cache,
+                     JAX_LOG_COMPILES="1", **KEEP_ALL)
+    assert "Persistent compilation cache hit for 'jit_step'" in log
+
+
+def test_ab_end_to_end(experiment, capsys, moebalance_logger):
+    out, _, stdout, stderr = experiment
+    verbose = types.SimpleNamespace(out=stdout, err=stderr)
     assert verbose.out.count("after step 3") == 2  # -v: each run's per-block table
     assert "Expert load per layer" in verbose.out  # and the report's
     saved = json.loads((out / "table.json").read_text())
@@ -60,13 +106,13 @@ def test_ab_end_to_end(tmp_path, capsys, moebalance_logger):
     assert (out / "report.html").read_text().count("data:image/png;base64") == 4
     # neither the experiment nor its runs are overwritten silently
     with pytest.raises(RunDirError, match="--resume"):
-        ab(load_config("deepseek4-smoke", overrides), out)
+        ab(load_config("deepseek4-smoke", OVERRIDES), out)
     # a finished experiment resumes to the same table without training again
-    again = ab(load_config("deepseek4-smoke", overrides), out, resume=True)
+    again = ab(load_config("deepseek4-smoke", OVERRIDES), out, resume=True)
     assert json.loads(json.dumps(again)) == saved
     # without -v, ab ends with its result: table.json's numbers, no per-layer table; an evenly
     # spread hash table is not reported at all
-    assert cli.main([*command, "--resume"]) == 0
+    assert cli.main([*COMMAND, "--out", str(out), "--resume"]) == 0
     printed = capsys.readouterr()
     assert "hash table" not in verbose.err + printed.err
     assert "Expert load per layer" not in printed.out and "Probe set" not in printed.out
@@ -86,20 +132,17 @@ def test_ab_end_to_end(tmp_path, capsys, moebalance_logger):
     assert printed.out.rstrip().endswith(f"{out}/table.md (-v prints them)")
 
 
-def test_report_command_compares_runs(tmp_path, capsys):
-    base = ["deepseek4-smoke", "steps=2", "max_target_length=32", "per_device_batch_size=2"]
-    for name, rule in (("sign", "sign"), ("quantile", "quantile")):
-        assert cli.main(["train", *base, f"routed_bias_update_rule={rule}",
-                         "--out", str(tmp_path / name)]) == 0
-    assert cli.main(["report", str(tmp_path / "sign"), str(tmp_path / "quantile"),
+def test_report_command_compares_runs(experiment, tmp_path, capsys, moebalance_logger):
+    runs = experiment[0]
+    assert cli.main(["report", str(runs / "run_a"), str(runs / "run_b"),
                      "--out", str(tmp_path / "cmp")]) == 0
     table = json.loads((tmp_path / "cmp" / "table.json").read_text())
-    assert table["runs"] == ["sign", "quantile"]
-    assert cli.main(["report", str(tmp_path / "sign"), "--out", str(tmp_path / "cmp")]) == 2
+    assert table["runs"] == ["run_a", "run_b"]
+    assert cli.main(["report", str(runs / "run_a"), "--out", str(tmp_path / "cmp")]) == 2
     assert "already" in capsys.readouterr().err
-    assert cli.main(["eval", str(tmp_path / "sign"), "--split", "train", "--batches", "1"]) == 0
+    assert cli.main(["eval", str(runs / "run_b"), "--split", "train", "--batches", "1"]) == 0
     assert "training-split loss" in " ".join(capsys.readouterr().out.split())  # rich wraps
-    assert cli.main(["eval", str(tmp_path / "sign"), "--batches", "1", "--refit-batches", "1"]) == 0
+    assert cli.main(["eval", str(runs / "run_b"), "--batches", "1", "--refit-batches", "1"]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "refitted bias" in printed and "variance per micro-batch with refitted biases" in printed
 

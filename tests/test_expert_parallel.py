@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scripts.expert_parallel_run import CASES
+from moebalance import cli
 from moebalance.config import ConfigError, load_config
 from moebalance.metrics import rank_loads
 from moebalance.model.moe import MoEConfig
@@ -17,21 +18,23 @@ from moebalance.model.moe import MoEConfig
 HERE = Path(__file__).parent
 
 
-def run_case(tmp_path, case: str) -> dict:
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, dict]:
+    """Every case of CASES, run in one process with 8 CPU devices."""
+    out = tmp_path_factory.mktemp("cases")
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
            + " --xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu"}
-    out = tmp_path / f"{case}.npz"
-    subprocess.run([sys.executable, str(HERE / "scripts" / "expert_parallel_run.py"), str(out), case],
-                   env=env, check=True)
-    return dict(np.load(out))
+    subprocess.run([sys.executable, str(HERE / "scripts" / "expert_parallel_run.py"), str(out),
+                    *sorted(CASES)], env=env, check=True)
+    return {case: dict(np.load(out / f"{case}.npz")) for case in CASES}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_expert_parallel_layer_equals_one_device(tmp_path, case):
+def test_expert_parallel_layer_equals_one_device(cases, case):
     """One MoE layer on 8 devices with an `expert` axis: output and every gradient equal the layer
     on one device applied per expert-parallel group; routing and drops exactly."""
-    got = run_case(tmp_path, case)
+    got = cases[case]
     assert got["all_to_all"]  # the tokens really travel between devices
     np.testing.assert_array_equal(got["indices"], got["ref_indices"])
     assert got["dropped"] == got["ref_dropped"]
@@ -88,22 +91,20 @@ def test_device_limited_routing_config():
         load_config("deepseek4-smoke", {"ici_expert_parallelism": 0})
 
 
-def test_train_and_report_with_expert_parallelism(tmp_path):
-    """`moebalance train` on 4 devices, all of them on the `expert` axis, then `report`: the
+def test_train_and_report_with_expert_parallelism(tmp_path, moebalance_logger):
+    """`moebalance train` on 4 devices, all of them on the `expert` axis, then `report` (in this
+    process: it reads the run, whatever its devices): the
     trainer's per-rank loads are its own counts summed per rank, and the report shows the busiest
     rank."""
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
            + " --xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
     run = tmp_path / "ep4"
-
-    def moebalance(*args):
-        subprocess.run([sys.executable, "-c", "import sys; from moebalance import cli; "
-                        "sys.exit(cli.main(sys.argv[1:]))", *args], env=env, check=True)
-
-    moebalance("train", "deepseek4-smoke", "steps=3", "max_target_length=32",
-               "per_device_batch_size=2", "ici_fsdp_parallelism=1", "ici_expert_parallelism=4",
-               "probe_batches=1", "probe_refit_batches=0", "--out", str(run))  # the steps' loads
+    subprocess.run([sys.executable, "-c", "import sys; from moebalance import cli; "
+                    "sys.exit(cli.main(sys.argv[1:]))", "train", "deepseek4-smoke", "steps=3",
+                    "max_target_length=32", "per_device_batch_size=2", "ici_fsdp_parallelism=1",
+                    "ici_expert_parallelism=4", "probe_batches=1", "probe_refit_batches=0",
+                    "--out", str(run)], env=env, check=True)  # the steps' loads
     shape = json.loads((run / "expert_counts.json").read_text())["row_shape"]
     counts = np.fromfile(run / "expert_counts.i32", np.int32).reshape(-1, *shape)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -113,7 +114,7 @@ def test_train_and_report_with_expert_parallelism(tmp_path):
             assert row["rank_load"] == row_sums(layer, 4)
             assert row["rank_imbalance"] == pytest.approx(max(row["rank_load"]) * 4
                                                           / sum(row["rank_load"]))
-    moebalance("report", str(run), "--out", str(tmp_path / "report"))
+    assert cli.main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
     table = json.loads((tmp_path / "report" / "table.json").read_text())
     assert table["total"]["rank_imbalance"]["ep4"] >= 1.0
     assert "EP max/mean ep4" in (tmp_path / "report" / "table.md").read_text()

@@ -15,7 +15,7 @@ from moebalance.model import layers
 from moebalance.model.attention import Attention, Compressor
 from moebalance.model.hyper import HyperConnection, sinkhorn
 from moebalance.model.transformer import DeepSeekV4, attention_dims, parameter_counts
-from moebalance.training.step import make_optimizer, make_train_step
+from moebalance.training.step import make_train_step, new_optimizer
 
 RNG = np.random.default_rng(0)
 
@@ -281,7 +281,7 @@ def test_tiny_config_trains_on_a_fixed_batch():
     cfg = load_config("deepseek4-tiny", dict(max_target_length=32, steps=8, learning_rate=3e-3,
                                              warmup_steps_fraction=0.0, hash_table="random"))
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    opt = new_optimizer(cfg, model)
     step = make_train_step(cfg, model)
     tokens = jax.random.randint(jax.random.key(0), (1, 2, 33), 0, 1000)
     mask, seg = jnp.ones((1, 2, 32), bool), jnp.zeros((1, 2, 32), jnp.int32)

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+from conftest import run_cli
 from moebalance import runtime
 
 
@@ -55,19 +56,6 @@ def test_a_second_process_loads_the_compiled_program_from_the_cache(tmp_path):
     assert "cache hit" not in runs[0].stderr and "cache hit" in runs[1].stderr
 
 
-
-def run_cli(args, cache, main=("-m", "moebalance.cli"), **env):
-    """The installed command's code path (`python -m moebalance.cli`: cli.entry) in a new process
-    keeping compiled programs in `cache`, or `main`, another script, with `env` added (a None
-    value removes the variable); -> (stdout, stderr)."""
-    env = {**os.environ, "MOEBALANCE_CACHE_DIR": str(cache), "JAX_COMPILATION_CACHE_DIR": None,
-           **env}
-    env = {name: value for name, value in env.items() if value is not None}
-    done = subprocess.run([sys.executable, *main, *args], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return done.stdout, done.stderr
-
-
 def test_the_command_keeps_compiled_programs_unless_told_not_to(tmp_path):
     demo = ["demo", "--steps", "2", "--experts", "4", "--k", "2", "--tokens", "64"]
     run_cli(demo, tmp_path / "on", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -87,43 +75,6 @@ def test_min_compile_time_is_ours_unless_jax_is_told(tmp_path):
                   for value in (None, "7"))
     assert ours == [str(tmp_path), str(runtime.MIN_COMPILE_S)]
     assert jaxs == [str(tmp_path), "7.0"]
-
-
-# cli.main with the cache on, counting XLA compilations (by function) and persistent-cache hits
-COUNT_COMPILES = """
-import collections, json, sys
-from jax import monitoring
-from moebalance import cli
-
-compiles, hits = collections.Counter(), []
-monitoring.register_event_duration_secs_listener(
-    lambda event, secs, **kw: event == "/jax/core/compile/backend_compile_duration"
-    and compiles.update([kw["fun_name"]]))
-monitoring.register_event_listener(
-    lambda event, **kw: event == "/jax/compilation_cache/cache_hits" and hits.append(event))
-assert cli.main(sys.argv[1:], compile_cache=True) == 0
-print(json.dumps({"compiles": compiles, "hits": len(hits)}))
-"""
-TINY = ["deepseek4-smoke", "steps=2", "max_target_length=16", "per_device_batch_size=2",
-        "probe_batches=1", "probe_refit_batches=1"]
-
-
-def test_ab_compiles_each_program_once_and_a_later_train_loads_its_step(tmp_path):
-    cache = tmp_path / "xla"
-    keep_all = dict(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    out, _ = run_cli(["ab", *TINY, "--out", str(tmp_path / "ab")], cache,
-                     main=("-c", COUNT_COMPILES), **keep_all)
-    counted = json.loads(out.splitlines()[-1])
-    # one training step for Run A and Run B (Run A runs Run B's program with its balancing off)
-    assert counted["compiles"]["jit(step)"] == 1  # training/step.py's
-    assert counted["compiles"]["jit(eval_step)"] == 1
-    # every program went into an empty cache as it was compiled: one compiled twice would have
-    # been found there
-    assert counted["hits"] == 0 and any(cache.iterdir())
-    # a second process training Run B's config compiles no training step: it loads it
-    _, log = run_cli(["train", *TINY, "--out", str(tmp_path / "train")], cache,
-                     JAX_LOG_COMPILES="1", **keep_all)
-    assert "Persistent compilation cache hit for 'jit_step'" in log
 
 
 # the trainer's model and optimizer built in a new process, counting XLA compilations by function

@@ -11,32 +11,33 @@ from moebalance.config import ConfigError, load_config
 from moebalance.training import sharding
 
 HERE = Path(__file__).parent
-
-
-def run_on(devices: int, out: Path, *overrides: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-           + f" --xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
-    subprocess.run([sys.executable, str(HERE / "scripts" / "multidevice_run.py"), str(out), *overrides],
-                   env=env, check=True)
-    return dict(np.load(out))
+MESHES = [
+    (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1]),
+    (("ici_data_parallelism=2", "ici_expert_parallelism=4"), [2, 1, 4]),
+    (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), [1, 1, 8])]
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory):
-    """The 1-device reference run, shared by the mesh shapes."""
-    return run_on(1, tmp_path_factory.mktemp("one") / "one.npz")
+def runs(tmp_path_factory) -> list[dict]:
+    """The 1-device reference run, then one run on 8 devices for each of MESHES: one process
+    with 8 CPU devices (the reference on the first), one compilation of JAX and the model code."""
+    out = tmp_path_factory.mktemp("runs")
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    specs = ["1", *(f"8:{','.join(mesh)}" for mesh, _ in MESHES)]
+    subprocess.run([sys.executable, str(HERE / "scripts" / "multidevice_run.py"), str(out),
+                    *specs], env=env, check=True)
+    return [dict(np.load(out / f"{i}.npz")) for i in range(len(specs))]
 
 
-@pytest.mark.parametrize("mesh,shape", [
-    (("ici_data_parallelism=2", "ici_fsdp_parallelism=4"), [2, 4, 1]),
-    (("ici_data_parallelism=2", "ici_expert_parallelism=4"), [2, 1, 4]),
-    (("ici_fsdp_parallelism=1", "ici_expert_parallelism=-1"), [1, 1, 8])])
-def test_one_device_equals_eight(tmp_path, one, mesh, shape):
+@pytest.mark.parametrize("mesh,shape", MESHES)
+def test_one_device_equals_eight(runs, mesh, shape):
     """3 training steps of 2 micro-batches on 8 devices (expert parallelism where the `expert`
     axis is > 1) against 1 device: counts exactly, every float to 1e-5; and the steps after the
     first compile nothing (the state a step returns is taken by the same program next time)."""
-    eight = run_on(8, tmp_path / "eight.npz", *mesh)
+    one, eight = runs[0], runs[1 + MESHES.index((mesh, shape))]
+    assert int(one["devices"]) == 1 and int(eight["devices"]) == 8
     assert eight["compiles_after_the_first_step"] == 0
     assert list(one["mesh"]) == [1, 1, 1] and list(eight["mesh"]) == shape
     data, fsdp, expert = shape

@@ -19,7 +19,7 @@ from moebalance.training import checkpoint, loop
 from moebalance.training.evaluate import evaluate
 from moebalance.training.hooks import Hook
 from moebalance.training.loop import train
-from moebalance.training.step import make_optimizer
+from moebalance.training.step import new_optimizer
 
 SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
              load_balance_loss_weight=1e-3, router_z_loss_weight=1e-4)
@@ -159,7 +159,7 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
     states = []
     for path in (tmp_path / "a", run):
         model = DeepSeekV4(cfg, rngs=nnx.Rngs(1))  # other init: the restore must overwrite it
-        opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+        opt = new_optimizer(cfg, model)
         mgr = checkpoint.manager(RunDir(path).checkpoints, 3)
         assert checkpoint.restore(mgr, model, opt) == 40
         states.append(nnx.to_flat_state(nnx.state(model)))

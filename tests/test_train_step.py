@@ -9,7 +9,7 @@ from conftest import tolerance
 from moebalance.config import load_config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
 from moebalance.training.step import (decay_mask, make_eval_step, make_optimizer,
-                                      make_train_step)
+                                      make_train_step, new_optimizer)
 
 BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
             routed_bias_update_rate=1e-2)
@@ -18,7 +18,7 @@ BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
 def setup(**over):
     cfg = load_config("deepseek4-smoke", {**BASE, **over})
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, make_optimizer(cfg), wrt=nnx.Param)
+    opt = new_optimizer(cfg, model)  # one program, not one per shape of an AdamW moment
     return cfg, model, opt
 
 
@@ -166,7 +166,7 @@ def test_a_shared_program_refuses_configs_it_cannot_run():
 def test_the_step_donates_the_state_it_replaces():
     """The model's and optimizer's old buffers are given to the step (its new state takes their
     place: one copy of the state in memory, not two), and the objects hold the new state."""
-    cfg, model, opt = setup()
+    cfg, model, opt = setup(routed_bias_freeze_step=2)  # test_bias_freezes_...: its program
     tokens, mask, seg = batch(1, 2)
     old = jax.tree.leaves(nnx.state((model, opt)))
     make_train_step(cfg, model)(model, opt, tokens, mask, seg)

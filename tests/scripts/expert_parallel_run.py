@@ -1,12 +1,14 @@
 """Helper for test_expert_parallel: one MoE layer on 8 CPU devices (XLA_FLAGS set by the caller),
 its output and gradients under expert parallelism next to the same layer on one device.
 
-Usage: expert_parallel_run.py OUT.npz CASE, CASE one of CASES. The 1-device reference runs the
+Usage: expert_parallel_run.py OUT_DIR CASE ..., each CASE one of CASES, run one after another in
+this process and written to OUT_DIR/CASE.npz. The 1-device reference runs the
 layer once per expert-parallel group (the tokens one group dispatches together), which is what a
 capacity limit is defined on; dropless the split makes no difference.
 """
 
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +66,8 @@ def plain_weight_grad(x, dy, block_expert, num_experts):
     return jnp.einsum("ne,nbk,nbf->ekf", one_hot, x, dy).astype(x.dtype)
 
 
-def main(out, case):
+def run(out, case):
     shape, overrides, skewed = CASES[case]
-    if overrides.get("kernel") == "pallas":
-        gm.block_matmul, gm.expert_weight_grad = plain_block_matmul, plain_weight_grad
     model = layer(overrides)
     if skewed:
         model.bias[...] = jnp.where(jnp.arange(16) < 4, 100.0, 0.0)
@@ -90,6 +90,15 @@ def main(out, case):
              ref_x_grad=np.concatenate([r[3] for r in ref]),
              **{f"grad_{k}": v for k, v in w_grads.items()},
              **{f"ref_grad_{k}": sum(r[4][k] for r in ref) for k in w_grads})
+
+
+def main(out_dir, *cases):
+    kernels = gm.block_matmul, gm.expert_weight_grad
+    for case in cases:
+        if CASES[case][1].get("kernel") == "pallas":
+            gm.block_matmul, gm.expert_weight_grad = plain_block_matmul, plain_weight_grad
+        run(Path(out_dir) / f"{case}.npz", case)
+        gm.block_matmul, gm.expert_weight_grad = kernels
 
 
 if __name__ == "__main__":

@@ -1,9 +1,15 @@
-"""Helper for test_sharding: train 3 steps of a small config on however many CPU devices this
-process has (set by XLA_FLAGS before JAX starts) and dump counts, biases, losses and the router and
-output logits of the trained model on the first batch, and how many programs the steps after
-the first compiled."""
+"""Helper for test_sharding: train 3 steps of a small config on each of the given device counts
+and meshes, one after another in this process (its CPU devices set by XLA_FLAGS before JAX
+starts; a run on n devices uses the first n), and dump for each its counts, biases, losses and
+the router and output logits of the trained model on the first batch, and how many programs the
+steps after the first compiled.
 
+Usage: multidevice_run.py OUT_DIR RUN ...; RUN is DEVICES[:KEY=VALUE,...] (config overrides, e.g.
+the mesh's `ici_*` keys); run i is written to OUT_DIR/i.npz."""
+
+import gc
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,29 +24,28 @@ from moebalance.training.loop import build
 from moebalance.training.step import make_train_step, on_mesh
 
 GLOBAL_BATCH = 8
+COMPILES = []  # every program compiled in this process, in order
+monitoring.register_event_duration_secs_listener(
+    lambda event, secs, **kw: COMPILES.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
-def main(out: str, *overrides: str):
-    devices = jax.device_count()
+def run(out: Path, devices: int, *overrides: str):
     cfg = load_config("deepseek4-smoke", [f"per_device_batch_size={GLOBAL_BATCH // devices}",
                                           "max_target_length=32", "gradient_accumulation_steps=2",
                                           "load_balance_loss_weight=1e-3", *overrides])
-    mesh = sharding.make_mesh(cfg)
-    model, optimizer = build(cfg, mesh)
+    mesh = sharding.make_mesh(cfg, jax.devices()[:devices])
+    data = batches(cfg, global_batch=GLOBAL_BATCH)
+    model, optimizer = build(cfg, mesh, train_data=data)
     step = make_train_step(cfg, model, mesh)
-    data = batches(cfg)
     results = {"counts": [], "loss": [], "grad_norm": []}
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compiles.append(event)
-        if event == "/jax/core/compile/backend_compile_duration" else None)
     for i in range(3):
         if i == 1:
-            compiles.clear()
+            compiled_before = len(COMPILES)
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
-    compiles_after_first = len(compiles)  # the forward below compiles more
+    compiles_after_first = len(COMPILES) - compiled_before  # the forward below compiles more
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -57,6 +62,14 @@ def main(out: str, *overrides: str):
              router_logits=router_logits, embed=np.asarray(embed),
              compiles_after_the_first_step=compiles_after_first,
              **{k: np.stack(v) for k, v in results.items()})
+
+
+def main(out_dir: str, *runs: str):
+    for i, spec in enumerate(runs):
+        devices, _, overrides = spec.partition(":")
+        run(Path(out_dir) / f"{i}.npz", int(devices), *filter(None, overrides.split(",")))
+        jax.clear_caches()  # the run's programs released: the next ones compile faster without
+        gc.collect()
 
 
 if __name__ == "__main__":
