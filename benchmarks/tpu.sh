@@ -231,7 +231,7 @@ ab)
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
     ;;
 *)
-    echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals"
+    echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
         "|d1024 B A [key=value ...]" \
         "|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
