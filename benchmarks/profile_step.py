@@ -20,7 +20,10 @@ On a GPU, XLA's command buffers (CUDA graphs) are switched off for this run
 operation; the step time printed is that of this configuration.
 
     python benchmarks/profile_step.py [--config deepseek4-tiny] [--batch 8] [--seq 256]
-                                      [--top N] [key=value ...]
+                                      [--top N] [--keep DIR] [key=value ...]
+
+`--keep DIR` also writes the step's optimized HLO and its trace there (gzipped), so that they
+can be read again elsewhere (e.g. a TPU's on a CPU).
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="timed steps before the traced one")
     parser.add_argument("--top", type=int, default=0,
                         help="also print the N slowest XLA operations with their scopes")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="also write the optimized HLO and the trace to DIR (gzipped)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
 
@@ -282,7 +287,14 @@ def main():
 
     hlo = max(glob.glob(f"{dump}/*jit_step*after_optimizations.txt"), key=os.path.getsize)
     ops, flops = parse_hlo(open(hlo).read())
-    trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
+    trace_file = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+    trace = json.load(gzip.open(trace_file))
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+        shutil.copy(trace_file, os.path.join(args.keep, "step.trace.json.gz"))
+        with open(hlo, "rb") as src, gzip.open(os.path.join(args.keep, "step.hlo.txt.gz"),
+                                               "wb") as dst:
+            shutil.copyfileobj(src, dst)
     for folder in (dump, trace_dir):
         shutil.rmtree(folder)
     times, unmatched = op_times(trace, ops)
@@ -301,7 +313,7 @@ def main():
         opcode, op_name = ops[name]
         print(f"{t / 1e3:8.1f} ms  {opcode:<14}{name:<28}{op_name[-110:]}", file=sys.stderr)
     total_gflop = sum(flops[name] for name in times) / 1e9
-    tokens = args.batch * args.seq
+    tokens = args.batch * args.seq * cfg.gradient_accumulation_steps
     print(json.dumps({
         "config": args.config, "layers": cfg.base_num_decoder_layers, "dtype": cfg.dtype,
         "batch": args.batch, "seq": args.seq, "backend": jax.default_backend(),

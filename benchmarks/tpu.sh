@@ -26,8 +26,10 @@
 #     35's shapes on 16,384 tokens with column tiles 512 and 1024 (256 was 1.2-1.9x slower in
 #     every run; with it this part ran past its 300 s limit on the second shape)
 #     -> $OUT/moe_layer.json (a JSON line each; benchmarks/results/moe-layer-v5e.json);
-#   bash benchmarks/tpu.sh profile  profile_step.py on the 4 x (2 x 2048) step: device time by
-#     part ($OUT/profile-d1024.json, its tables in $OUT/log.txt);
+#   bash benchmarks/tpu.sh profile [key=value ...]  (~4 minutes) profile_step.py on the best
+#     16,384-token step, 4 x (2 x 2048) with remat minimal, the overrides given: device time by
+#     part ($OUT/profile-d1024.json, its tables and the 40 slowest operations in $OUT/log.txt),
+#     the optimized HLO and the trace in $OUT/profile/ (profile_step.py --keep);
 #   bash benchmarks/tpu.sh peer     (~6 minutes: its own device call) MaxText's DeepSeek-V4 at the
 #     same width (shared/peers/maxtext-tpu copied into .peer/ and carried), its steps -> "peer";
 #   bash benchmarks/tpu.sh ab [twice]  `moebalance ab deepseek4-tiny` on the chip, and with `twice`
@@ -135,8 +137,10 @@ experts)
     cat "$OUT/moe_layer.json"
     ;;
 profile)
-    part 300 profile-d1024 python3 benchmarks/profile_step.py --config "$D1024" --batch 2 \
-        --seq 2048 --steps 1 --top 25 $BF16 gradient_accumulation_steps=4
+    shift
+    part "${PART_LIMIT:-290}" profile-d1024 python3 benchmarks/profile_step.py \
+        --config "$D1024" --batch 2 --seq 2048 --steps 1 --top 40 --keep "$OUT/profile" \
+        weight_dtype=bfloat16 remat_policy=minimal gradient_accumulation_steps=4 "$@"
     cat "$OUT/profile-d1024.json"
     ;;
 peer)
