@@ -85,7 +85,7 @@ def _prefill(model: DeepSeekV4, tokens, length):
         return h, cache
 
     h, caches = _run_layers(model, model.streams(tokens), layer, None)
-    return _head(model, h[:, length - 1]), Cache(jnp.asarray(length, jnp.int32), caches)
+    return _head(model, h[:, :, length - 1]), Cache(jnp.asarray(length, jnp.int32), caches)
 
 
 def _step(model: DeepSeekV4, cache: Cache, token):
@@ -99,7 +99,7 @@ def _step(model: DeepSeekV4, cache: Cache, token):
         return h, layer_cache
 
     h, caches = _run_layers(model, model.streams(tokens), layer, cache.layers)
-    return _head(model, h[:, 0]), Cache(t + 1, caches)
+    return _head(model, h[:, :, 0]), Cache(t + 1, caches)
 
 
 def _head(model: DeepSeekV4, h):

@@ -1,9 +1,9 @@
 """Manifold-constrained hyper-connections (mHC), DeepSeek-V4's residual stream. All float32, its
 dots at full float32 precision on any backend (layers.FP32).
 
-The residual is m parallel streams h [B, S, m, D]. Around each sub-layer f (attention, MoE):
+The residual is m parallel streams h [m, B, S, D]. Around each sub-layer f (attention, MoE):
 
-    x      = flatten(h) / RMS(flatten(h))                           [B, S, m*D]
+    x      = flatten(h) / RMS(flatten(h))                           [B, S, m*D], j-major
     mixes  = x @ fn                                                 [B, S, (2+m)*m]
     pre    = sigmoid(mixes[:m] * scale[0] + base[:m]) + eps         [B, S, m]
     post   = 2 * sigmoid(mixes[m:2m] * scale[1] + base[m:2m])       [B, S, m]
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moebalance.model.layers import FP32, constant, init_normal, rms
+from moebalance.model.layers import FP32, constant, init_normal
 
 
 @jax.named_scope("sinkhorn")
@@ -84,14 +84,65 @@ def _sinkhorn_bwd(iters, eps, residuals, g):
 _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
 
 
+# The residual streams h [m, T, D] lie stream-major: each stream is a [T, D] slab, so every
+# operation below is a broadcast product or a reduction over D on whole slabs (a TPU tiles a
+# slab's last two axes; with m on the second-minor axis, XLA moved the streams between layouts
+# around every operation). Both maps have hand-written backward passes that take h in its own
+# dtype and widen it where they read it: differentiating the float32 forward kept float32 copies
+# of the streams and ran ~7x as long as the forward on a TPU v5e.
+
+
+def _stream_sum(w, h):
+    """w [T, m], h [m, T, D] -> sum_j w[:, j] * h[j]  [T, D] float32."""
+    return sum(w[:, j, None] * h[j].astype(jnp.float32) for j in range(h.shape[0]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _collapse(maps, norm_eps, h, fn, params):
+    """The pre side of a hyper-connection: mixes = RMS-normalised flatten(h) @ fn, the maps'
+    weights maps(mixes, params) -> (pre [T, m], extra), and y = sum_j pre[j] * h[j].
+    h [m, T, D], fn [m*D, K] -> (y [T, D] in h's dtype, extra)."""
+    return _collapse_fwd(maps, norm_eps, h, fn, params)[0]
+
+
+def _collapse_fwd(maps, norm_eps, h, fn, params):
+    m, _, dim = h.shape
+    h32 = h.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(0, 2)) + norm_eps)  # [T]: 1 / RMS(flatten(h))
+    raw = jnp.einsum("jtd,jdk->tk", h32, fn.reshape(m, dim, -1), precision=FP32)  # [T, K]
+    (pre, extra), maps_vjp = jax.vjp(lambda mixes, params: maps(mixes, params),
+                                     raw * inv[:, None], params)
+    y = _stream_sum(pre, h).astype(h.dtype)
+    return (y, extra), (h, fn, raw, inv, pre, maps_vjp)
+
+
+def _collapse_bwd(maps, norm_eps, residuals, grads):
+    h, fn, raw, inv, pre, maps_vjp = residuals
+    g_y, g_extra = grads
+    m, _, dim = h.shape
+    g_y = g_y.astype(jnp.float32)
+    g_pre = jnp.stack([(g_y * h[j].astype(jnp.float32)).sum(-1) for j in range(m)], -1)
+    g_mixes, g_params = maps_vjp((g_pre, g_extra))
+    g_raw = g_mixes * inv[:, None]  # [T, K]
+    # through inv = (mean(h^2) + eps)^(-1/2): d inv / d h = -inv^3 * h / (m*D)
+    g_norm = -(g_mixes * raw).sum(-1) * inv ** 3 / (m * dim)  # [T]
+    fn = fn.reshape(m, dim, -1)
+    g_h = jnp.stack([pre[:, j, None] * g_y + g_norm[:, None] * h[j].astype(jnp.float32)
+                     + jnp.matmul(g_raw, fn[j].T, precision=FP32) for j in range(m)])
+    g_fn = jnp.einsum("jtd,tk->jdk", h.astype(jnp.float32), g_raw, precision=FP32)
+    return g_h.astype(h.dtype), g_fn.reshape(m * dim, -1), g_params
+
+
+_collapse.defvjp(_collapse_fwd, _collapse_bwd)
+
+
 @jax.custom_vjp
 def _mix_streams(fy, h, post, comb):
-    """fy [T, D], h [T, m, D], post [T, m], comb [T, m, m] -> [T, m, D]:
+    """fy [T, D], h [m, T, D], post [T, m], comb [T, m, m] -> [m, T, D] in h's dtype:
     out[i] = post[i] * fy + sum_j comb[j, i] * h[j]."""
-    # m broadcast products, one fused loop: XLA's CPU runs this contraction over the
-    # non-minor axis j as a batched matmul ~10x slower
-    mixed = sum(comb[:, j, :, None] * h[:, j, None, :] for j in range(h.shape[1]))
-    return post[..., None] * fy[:, None] + mixed
+    fy = fy.astype(jnp.float32)
+    return jnp.stack([post[:, i, None] * fy + _stream_sum(comb[:, :, i], h)
+                      for i in range(h.shape[0])]).astype(h.dtype)
 
 
 def _mix_streams_fwd(fy, h, post, comb):
@@ -99,12 +150,15 @@ def _mix_streams_fwd(fy, h, post, comb):
 
 
 def _mix_streams_bwd(residuals, g):
-    # Four small batched matmuls; XLA's CPU runs the autodiff of the forward ~2x slower.
     fy, h, post, comb = residuals
-    return (jnp.einsum("ti,tid->td", post, g, precision=FP32),
-            jnp.einsum("tji,tid->tjd", comb, g, precision=FP32),
-            jnp.einsum("tid,td->ti", g, fy, precision=FP32),
-            jnp.einsum("tjd,tid->tji", h, g, precision=FP32))
+    m = h.shape[0]
+    g32, fy32 = g.astype(jnp.float32), fy.astype(jnp.float32)
+    g_fy = _stream_sum(post, g)
+    g_h = jnp.stack([_stream_sum(comb[:, j, :], g) for j in range(m)])
+    g_post = jnp.stack([(g32[i] * fy32).sum(-1) for i in range(m)], -1)  # [T, m]
+    g_comb = jnp.stack([jnp.stack([(h[j].astype(jnp.float32) * g32[i]).sum(-1)
+                                   for i in range(m)], -1) for j in range(m)], -2)  # [T, m, m]
+    return g_fy.astype(fy.dtype), g_h.astype(h.dtype), g_post, g_comb
 
 
 _mix_streams.defvjp(_mix_streams_fwd, _mix_streams_bwd)
@@ -114,6 +168,22 @@ def _init_params(rngs, outputs: int, hc: int, dim: int, base):
     # Small random fn breaks the symmetry of the m identical initial streams.
     fn = nnx.Param(init_normal(rngs, (hc * dim, outputs), jnp.float32, 0.1 / math.sqrt(hc * dim)))
     return fn, nnx.Param(jax.device_put(np.asarray(base, np.float32)))
+
+
+def _connection_maps(iters: int, eps: float, mixes, params):
+    """mixes [T, (2+m)m] -> (pre [T, m], (post [T, m], comb [T, m, m]))."""
+    base, scale = params
+    m = math.isqrt(mixes.shape[-1] + 1) - 1
+    pre = jax.nn.sigmoid(mixes[:, :m] * scale[0] + base[:m]) + eps
+    post = 2.0 * jax.nn.sigmoid(mixes[:, m:2 * m] * scale[1] + base[m:2 * m])
+    comb = (mixes[:, 2 * m:] * scale[2] + base[2 * m:]).reshape(-1, m, m)
+    return pre, (post, sinkhorn(comb, iters, eps))
+
+
+def _head_maps(eps: float, mixes, params):
+    """mixes [T, m] -> (pre [T, m], ())."""
+    base, scale = params
+    return jax.nn.sigmoid(mixes * scale[0] + base) + eps, ()
 
 
 class HyperConnection(nnx.Module):
@@ -128,37 +198,24 @@ class HyperConnection(nnx.Module):
         self.fn, self.base = _init_params(rngs, (2 + hc) * hc, hc, dim, base)
         self.scale = nnx.Param(constant(1.0, (3,)))
 
+    @jax.named_scope("mhc")
     def pre(self, h: jax.Array):
-        """h [B, S, m, D] -> (y [B, S, D] in h's dtype, post [B, S, m], comb [B, S, m, m]).
-        Computed on T = B*S flattened tokens, which XLA's CPU runs ~2x faster than [B, S] with
-        B = 1."""
-        with jax.named_scope("mhc"):
-            return self._pre(h)
-
-    def _pre(self, h):
-        m = self.hc
-        *batch, _, dim = h.shape
-        h32 = h.astype(jnp.float32).reshape(-1, m, dim)  # [T, m, D]
-        mixes = jnp.matmul(rms(h32.reshape(-1, m * dim), self.norm_eps), self.fn[...],
-                           precision=FP32)  # [T, (2+m)m]
-        base, scale = self.base[...], self.scale[...]
-        pre = jax.nn.sigmoid(mixes[..., :m] * scale[0] + base[:m]) + self.eps
-        post = 2.0 * jax.nn.sigmoid(mixes[..., m:2 * m] * scale[1] + base[m:2 * m])
-        comb = (mixes[..., 2 * m:] * scale[2] + base[2 * m:]).reshape(*mixes.shape[:-1], m, m)
-        comb = sinkhorn(comb, self.iters, self.eps)
-        y = jnp.einsum("tj,tjd->td", pre, h32, precision=FP32)  # [T, D]
-        return y.reshape(*batch, dim).astype(h.dtype), post.reshape(*batch, m), comb.reshape(
-            *batch, m, m)
+        """h [m, B, S, D] -> (y [B, S, D] in h's dtype, post [B, S, m], comb [B, S, m, m]),
+        on T = B*S flattened tokens."""
+        m, *batch, dim = h.shape
+        maps = functools.partial(_connection_maps, self.iters, self.eps)
+        y, (post, comb) = _collapse(maps, self.norm_eps, h.reshape(m, -1, dim), self.fn[...],
+                                    (self.base[...], self.scale[...]))
+        return y.reshape(*batch, dim), post.reshape(*batch, m), comb.reshape(*batch, m, m)
 
     @staticmethod
     @jax.named_scope("mhc")
     def post(fy: jax.Array, h: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-        """h'[i] = post[i] * f(y) + sum_j comb[j, i] * h[j]  -> [B, S, m, D] in h's dtype."""
-        m, dim = h.shape[-2:]
-        out = _mix_streams(fy.astype(jnp.float32).reshape(-1, dim),
-                           h.astype(jnp.float32).reshape(-1, m, dim), post.reshape(-1, m),
-                           comb.reshape(-1, m, m))  # [T, m, D]
-        return out.reshape(h.shape).astype(h.dtype)
+        """h'[i] = post[i] * f(y) + sum_j comb[j, i] * h[j]  -> [m, B, S, D] in h's dtype."""
+        m, *_, dim = h.shape
+        out = _mix_streams(fy.reshape(-1, dim), h.reshape(m, -1, dim), post.reshape(-1, m),
+                           comb.reshape(-1, m, m))
+        return out.reshape(h.shape)
 
 
 class HyperHead(nnx.Module):
@@ -172,8 +229,9 @@ class HyperHead(nnx.Module):
 
     @jax.named_scope("mhc")
     def __call__(self, h: jax.Array) -> jax.Array:
-        h32 = h.astype(jnp.float32)
-        mixes = jnp.matmul(rms(h32.reshape(*h.shape[:-2], -1), self.norm_eps), self.fn[...],
-                           precision=FP32)  # [B, S, m]
-        pre = jax.nn.sigmoid(mixes * self.scale[0] + self.base[...]) + self.eps
-        return jnp.einsum("...j,...jd->...d", pre, h32, precision=FP32).astype(h.dtype)
+        """h [m, ..., D] -> y [..., D] in h's dtype."""
+        m, *batch, dim = h.shape
+        maps = functools.partial(_head_maps, self.eps)
+        y, _ = _collapse(maps, self.norm_eps, h.reshape(m, -1, dim), self.fn[...],
+                         (self.base[...], self.scale[...]))
+        return y.reshape(*batch, dim)

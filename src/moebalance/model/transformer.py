@@ -1,6 +1,6 @@
 """The DeepSeek-V4 model: embedding -> hyper-connected blocks -> head, plus optional MTP.
 
-    h = repeat(embed(tokens), m)                         [B, S, m, D]   m = hc_mult streams
+    h = repeat(embed(tokens), m)                         [m, B, S, D]   m = hc_mult streams
     for each block:  h = hc(attention(attn_norm(.)))     sliding window + compressed KV
                      h = hc(moe(ffn_norm(.)))            hash-routed in the first blocks
     logits = head(norm(hc_head(h)))                      [B, S, V] float32, untied
@@ -102,14 +102,14 @@ class Block(nnx.Module):
         self.ffn = MoE(MoEConfig.from_config(cfg), hash_table=hash_table, rngs=rngs)
 
     def forward(self, h, token_ids, positions, segment_ids, mask):
-        """h [B, S, m, D] -> (h [B, S, m, D], RoutingRecord)."""
+        """h [m, B, S, D] -> (h [m, B, S, D], RoutingRecord)."""
         return self.sublayers(
             h, lambda x: (self.attn(x, positions, segment_ids, self.freqs), None),
             lambda x: self.ffn(x, token_ids=token_ids, mask=mask))[:2]
 
     def sublayers(self, h, attend, feed_forward):
         """The block around attend(x) -> (output, extra) and feed_forward(x) -> (output, record),
-        each given its norm's output x [B, S, D]: h [B, S, m, D] -> (h, record, extra)."""
+        each given its norm's output x [B, S, D]: h [m, B, S, D] -> (h, record, extra)."""
         y, post, comb = self.attn_hc.pre(h)
         out, extra = attend(self.attn_norm(y))
         h = HyperConnection.post(out, h, post, comb)
@@ -256,10 +256,10 @@ class DeepSeekV4(nnx.Module):
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp_num_layers else None
 
     def streams(self, tokens):
-        """tokens [B, S] -> the residual streams h [B, S, m, D]: the embedding, m times."""
+        """tokens [B, S] -> the residual streams h [m, B, S, D]: the embedding, m times."""
         with jax.named_scope("embed"):
             x = jnp.take(self.embed[...], tokens, axis=0).astype(self.dtype)  # [B, S, D]
-        return jnp.broadcast_to(x[:, :, None], (*tokens.shape, self.hc_mult, self.emb_dim))
+        return jnp.broadcast_to(x, (self.hc_mult, *tokens.shape, self.emb_dim))
 
     @jax.named_scope("head")
     def logits(self, y):
@@ -292,7 +292,7 @@ class DeepSeekV4(nnx.Module):
             return ModelOutput(self.logits(hidden), stacked, None, None, hidden, None)
         mtp = self.mtp
         e = mtp.enorm(jnp.take(self.embed[...], mtp_tokens, axis=0).astype(self.dtype))
-        hm = (e @ mtp.e_proj[...].astype(self.dtype))[:, :, None] + mtp.hnorm(h) @ mtp.h_proj[
+        hm = (e @ mtp.e_proj[...].astype(self.dtype)) + mtp.hnorm(h) @ mtp.h_proj[
             ...].astype(self.dtype)
         hm, mtp_record = mtp.block(hm, mtp_tokens, positions, segment_ids, mask)
         mtp_hidden = mtp.norm(mtp.hc_head(hm))

@@ -212,7 +212,7 @@ def block_residuals(cfg: Config, block: Block, mesh: AbstractMesh) -> int:
     """Per-device bytes the backward of one block's forward (no remat) keeps."""
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
     b, s = global_rows(cfg, mesh), cfg.max_target_length
-    h = jax.ShapeDtypeStruct((b, s, cfg.hc_mult, cfg.base_emb_dim), cfg.dtype)
+    h = jax.ShapeDtypeStruct((cfg.hc_mult, b, s, cfg.base_emb_dim), cfg.dtype)
     ids = jax.ShapeDtypeStruct((b, s), jnp.int32)  # token ids, positions, segment ids
 
     def forward(params, rest, h, token_ids, positions, segment_ids):
