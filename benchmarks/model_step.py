@@ -39,6 +39,7 @@ import collections
 import datetime
 import itertools
 import json
+import logging
 import resource
 import sys
 import time
@@ -294,6 +295,10 @@ def main():
     parser.add_argument("--notes", default="", help="a note for the record's runs")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args()
+    # the library's own progress lines (remat_policy=auto's compiles) on stderr as they come
+    log = logging.getLogger("moebalance")
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler(sys.stderr))
     reexec_with_hugepage_malloc()
     kernels = [[f"moe_kernel={k}"] for k in args.kernels.split(",")] if args.kernels else [[]]
     for kernel, dtype in itertools.product(kernels, args.dtypes.split(",")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import types
 
 import jax
@@ -108,11 +109,17 @@ def fake_compiles(monkeypatch, needs: dict):
     return compiled_for
 
 
-def test_auto_takes_the_least_recompute_that_fits_in_that_order(monkeypatch):
+def test_auto_takes_the_least_recompute_that_fits_in_that_order(monkeypatch, caplog):
     cfg = load_config("deepseek4-smoke", ["remat_policy=auto"])
     compiled_for = fake_compiles(monkeypatch, {"none": None, "save_experts": 12.0,
                                                "minimal": 9.0, "full": 6.0})
-    policy, tried = compiled.least_recompute_that_fits(cfg, [], 10 * GIB)
+    with caplog.at_level(logging.INFO, logger="moebalance"):
+        policy, tried = compiled.least_recompute_that_fits(cfg, [], 10 * GIB)
+    # each compile announced before it starts, its outcome after
+    assert caplog.messages[:3] == ["remat_policy auto: compiling the step under remat none",
+                                   "remat_policy auto: none refused (temporaries 20.00 GiB)",
+                                   "remat_policy auto: compiling the step under remat "
+                                   "save_experts"]
     assert policy == "minimal" and compiled_for == ["none", "save_experts", "minimal"]
     assert [t["remat"] for t in tried] == compiled_for and tried[-1]["memory"]["needed"] == 9 * GIB
     assert compiled.tried_summary(tried) == ("none refused (temporaries 20.00 GiB), "

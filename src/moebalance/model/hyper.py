@@ -109,27 +109,31 @@ def _collapse_fwd(maps, norm_eps, h, fn, params):
     m, _, dim = h.shape
     h32 = h.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(h32 * h32, axis=(0, 2)) + norm_eps)  # [T]: 1 / RMS(flatten(h))
-    raw = jnp.einsum("jtd,jdk->tk", h32, fn.reshape(m, dim, -1), precision=FP32)  # [T, K]
-    (pre, extra), maps_vjp = jax.vjp(lambda mixes, params: maps(mixes, params),
-                                     raw * inv[:, None], params)
+    # normalised before the matmul, as the formula reads: streams far from unit RMS (a diverging
+    # run's) would overflow h @ fn before the division
+    mixes = jnp.einsum("jtd,jdk->tk", h32 * inv[:, None], fn.reshape(m, dim, -1),
+                       precision=FP32)  # [T, K]
+    (pre, extra), maps_vjp = jax.vjp(lambda mixes, params: maps(mixes, params), mixes, params)
     y = _stream_sum(pre, h).astype(h.dtype)
-    return (y, extra), (h, fn, raw, inv, pre, maps_vjp)
+    return (y, extra), (h, fn, mixes, inv, pre, maps_vjp)
 
 
 def _collapse_bwd(maps, norm_eps, residuals, grads):
-    h, fn, raw, inv, pre, maps_vjp = residuals
+    h, fn, mixes, inv, pre, maps_vjp = residuals
     g_y, g_extra = grads
     m, _, dim = h.shape
     g_y = g_y.astype(jnp.float32)
     g_pre = jnp.stack([(g_y * h[j].astype(jnp.float32)).sum(-1) for j in range(m)], -1)
     g_mixes, g_params = maps_vjp((g_pre, g_extra))
-    g_raw = g_mixes * inv[:, None]  # [T, K]
-    # through inv = (mean(h^2) + eps)^(-1/2): d inv / d h = -inv^3 * h / (m*D)
-    g_norm = -(g_mixes * raw).sum(-1) * inv ** 3 / (m * dim)  # [T]
+    g_x = g_mixes * inv[:, None]  # [T, K]: the mixes' gradient, divided by RMS(flatten(h))
+    # through inv = (mean(h^2) + eps)^(-1/2): d inv / d h = -inv^3 * h / (m*D), and
+    # sum_jd (g_mixes @ fn^T)[j] * h[j] = sum_k g_mixes * mixes / inv
+    g_norm = -(g_mixes * mixes).sum(-1) * inv ** 2 / (m * dim)  # [T]
     fn = fn.reshape(m, dim, -1)
     g_h = jnp.stack([pre[:, j, None] * g_y + g_norm[:, None] * h[j].astype(jnp.float32)
-                     + jnp.matmul(g_raw, fn[j].T, precision=FP32) for j in range(m)])
-    g_fn = jnp.einsum("jtd,tk->jdk", h.astype(jnp.float32), g_raw, precision=FP32)
+                     + jnp.matmul(g_x, fn[j].T, precision=FP32) for j in range(m)])
+    g_fn = jnp.einsum("jtd,tk->jdk", h.astype(jnp.float32) * inv[:, None], g_mixes,
+                      precision=FP32)
     return g_h.astype(h.dtype), g_fn.reshape(m * dim, -1), g_params
 
 

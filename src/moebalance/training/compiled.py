@@ -144,10 +144,13 @@ def least_recompute_that_fits(cfg: Config, devices: list, memory: int | None):
     compiled_memory's} of each policy compiled, the chosen one last])."""
     if memory is None:
         return "none", []
-    tried = []
+    tried, log = [], logging.getLogger("moebalance")
     for policy in REMAT_ORDER:
+        # each candidate is a whole compile (minutes for a large model): say which one runs
+        log.info("remat_policy auto: compiling the step under remat %s", policy)
         stats, seconds, _ = compiled_memory(dataclasses.replace(cfg, remat_policy=policy), devices)
         tried.append({"remat": policy, "compile_s": round(seconds, 1), "memory": stats})
+        log.info("remat_policy auto: %s", tried_summary(tried[-1:]))
         if "refused" not in stats and stats["needed"] <= memory:
             return policy, tried
     raise ConfigError(f"remat_policy auto: no policy's step fits {memory / GIB:.2f} GiB per "
