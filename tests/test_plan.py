@@ -114,22 +114,34 @@ def test_plan_defaults_to_this_machines_devices_and_their_memory(capsys, monkeyp
     assert result["fits"] == {r: result["total"][r] <= 0.01 * 2**30 for r in ("none", "full")}
 
 
+def test_planning_a_config_again_reuses_its_traced_loss(monkeypatch):
+    """The loss's trace (most of a plan's time) is kept per config and mesh in the process: a
+    second plan of the same config traces no loss, one of another config does."""
+    traced = []
+    original = plan.loss_and_inputs
+    monkeypatch.setattr(plan, "loss_and_inputs",
+                        lambda cfg, *a: traced.append(cfg.remat_policy) or original(cfg, *a))
+    cfg = load_config("deepseek4-smoke", {"max_target_length": 24})
+    first = plan.plan(cfg, 1)
+    assert traced == ["none", "full"]
+    assert plan.plan(cfg, 1) == first and traced == ["none", "full"]
+    plan.plan(load_config("deepseek4-smoke", {"max_target_length": 24, "remat_policy": "minimal"}),
+              1)
+    assert traced == ["none", "full", "minimal"]
+
+
 def test_remat_policies_keep_less_the_more_they_recompute(capsys):
     """Activations by remat policy (the residuals the policy really saves, traced): none keeps
     everything, save_experts the weight and expert matmuls, minimal the weight matmuls only,
-    full the blocks' inputs. The config's own policy is planned beside none and full."""
-    def smoke_plan(policy):
-        return plan.plan(load_config("deepseek4-smoke", {"moe_dispatch": "ragged",
-                                                         "remat_policy": policy}), 1)
-
-    acts = {policy: smoke_plan(policy).activations[policy] for policy in ("minimal",
-                                                                         "save_experts")}
-    result = smoke_plan("none")
-    assert list(result.activations) == ["none", "full"]
-    acts.update(result.activations)
+    full the blocks' inputs. `auto` plans every policy (each traced once); the config's own
+    policy is planned beside none and full."""
+    acts = plan.plan(load_config("deepseek4-smoke", {"moe_dispatch": "ragged",
+                                                     "remat_policy": "auto"}), 1).activations
+    assert list(acts) == ["none", "full", "save_experts", "minimal"]
     assert acts["none"] > acts["save_experts"] > acts["minimal"] > acts["full"], acts
-    assert main(["plan", "deepseek4-smoke", "remat_policy=minimal", "--devices", "1"]) == 0
-    assert "remat minimal" in capsys.readouterr().out
+    assert main(["plan", "deepseek4-smoke", "remat_policy=minimal", "--devices", "1",
+                 "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["activations"]) == ["none", "full", "minimal"]
 
 
 def test_a_mesh_that_does_not_fit_the_devices_fails_naming_the_keys(capsys):

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 
 import jax
@@ -194,10 +195,19 @@ def loss_and_inputs(cfg: Config, model: DeepSeekV4, rows: int):
     return loss, (params, rest, *batch)
 
 
+# loss_residuals of the configs and meshes planned in this process: tracing the loss is most of a
+# plan's time (~2 s a policy for deepseek4-smoke), and a process may plan one config again
+_LOSS_RESIDUALS: dict[tuple, int] = {}
+
+
 def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
-    """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps."""
-    loss, inputs = loss_and_inputs(cfg, model, global_rows(cfg, mesh))
-    return residual_bytes(loss, inputs, {2, 3, 4}, mesh)
+    """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps (`model` is
+    `cfg`'s, as abstract_model builds it)."""
+    key = (json.dumps(dataclasses.asdict(cfg), sort_keys=True), tuple(mesh.shape.items()))
+    if key not in _LOSS_RESIDUALS:
+        loss, inputs = loss_and_inputs(cfg, model, global_rows(cfg, mesh))
+        _LOSS_RESIDUALS[key] = residual_bytes(loss, inputs, {2, 3, 4}, mesh)
+    return _LOSS_RESIDUALS[key]
 
 
 def abstract_blocks(cfg: Config) -> list[Block]:
