@@ -52,6 +52,33 @@ def test_calibration_refits_the_final_biases_on_fresh_training_batches(tmp_path)
         load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
 
 
+def test_a_bound_step_sees_the_biases_set_between_its_calls():
+    """bind_model (the refit's and the probes' loops): the bound step gives the unbound step's
+    counts, before and after the biases change under it."""
+    from moebalance.model.transformer import get_biases, set_biases
+    from moebalance.training import sharding
+    from moebalance.training.loop import build
+    from moebalance.training.step import bind_model, make_eval_step
+
+    cfg = load_config("deepseek4-smoke", dict(max_target_length=16, per_device_batch_size=2))
+    mesh = sharding.make_mesh(cfg)
+    source = batches(cfg)
+    model, _ = build(cfg, mesh, source)
+    eval_step = make_eval_step(cfg, model, mesh)
+    bound = bind_model(eval_step, model)
+    batch = [x[0] for x in sharding.global_batch(mesh, *source.batch(0))]
+
+    def counts(step, *args):
+        return np.asarray(step(*args, *batch)["counts"])
+
+    before = counts(bound)
+    np.testing.assert_array_equal(before, counts(eval_step, model))
+    set_biases(model, get_biases(model).at[:, 0].set(1.0))  # expert 0 wins in every top-k block
+    after = counts(bound)
+    np.testing.assert_array_equal(after, counts(eval_step, model))
+    assert (after[2:, 0] > before[2:, 0]).all()
+
+
 def test_refit_biases_balance_the_fit_batches_and_leave_the_model_alone():
     from moebalance.model.transformer import get_biases, set_biases
     from moebalance.training import sharding

@@ -21,7 +21,7 @@ from moebalance import balancing
 from moebalance.config import Config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
 from moebalance.training import sharding
-from moebalance.training.step import make_score_step
+from moebalance.training.step import bind_model, make_score_step
 
 # One program for the fit: run eagerly, its bisection loop (a lax.fori_loop) was compiled anew on
 # every call, ~1.3 s each time on a loaded 2-core CPU.
@@ -35,7 +35,7 @@ def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batch
     be on that data. Quantile Balancing (undamped) on all their tokens at once, repeated
     `iterations` times, since a block's input depends on the earlier blocks' biases. The model's
     own biases are put back unchanged."""
-    score_step = make_score_step(cfg, model, mesh)
+    score_step = bind_model(make_score_step(cfg, model, mesh), model)
     fit_batches = []
     for i in range(first, first + batches):
         tokens, _, segment_ids = sharding.global_batch(mesh, *source.batch(i))
@@ -43,7 +43,7 @@ def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batch
     fit = get_biases(model)
     for _ in range(iterations):
         with biases_set_to(model, fit):
-            scores = jnp.concatenate([score_step(model, t, s) for t, s in fit_batches], axis=1)
+            scores = jnp.concatenate([score_step(t, s) for t, s in fit_batches], axis=1)
         fit = _quantile_fit(scores, fit, cfg.num_experts_per_tok)
     return fit
 
@@ -88,8 +88,8 @@ def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data, batches: 
 
 def probe_counts(eval_step, model: DeepSeekV4, probes: list[tuple]) -> np.ndarray:
     """[n, L, E] int32: each probe micro-batch's expert counts at the model's current biases."""
-    return np.stack([np.asarray(jax.device_get(eval_step(model, *p)["counts"]), np.int32)
-                     for p in probes])
+    step = bind_model(eval_step, model)
+    return np.stack([np.asarray(jax.device_get(step(*p)["counts"]), np.int32) for p in probes])
 
 
 def final_probe(cfg: Config, model: DeepSeekV4, mesh, eval_step, probes, train_data) -> dict:

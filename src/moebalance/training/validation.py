@@ -17,6 +17,7 @@ from moebalance import data
 from moebalance.config import Config
 from moebalance.metrics import maxvio_global
 from moebalance.training import sharding
+from moebalance.training.step import bind_model
 
 
 def split_batches(cfg: Config, source, wanted: int | None = None) -> int:
@@ -35,10 +36,11 @@ def measure(eval_step, model, mesh, source, batches: int,
     Run by every process (collectives); the model is only read. `on_batch(done)` after each."""
     ce_sum = n_tokens = 0.0
     counts = []
+    step = bind_model(eval_step, model)
     for i in range(batches):
         tokens, mask, seg = sharding.global_batch(mesh, *source.batch(i))
         for a in range(tokens.shape[0]):
-            out = jax.device_get(eval_step(model, tokens[a], mask[a], seg[a]))
+            out = jax.device_get(step(tokens[a], mask[a], seg[a]))
             ce_sum += float(out["ce_sum"])
             n_tokens += float(out["tokens"])
             counts.append(np.asarray(out["counts"], np.int32))
