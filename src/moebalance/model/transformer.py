@@ -292,8 +292,8 @@ class DeepSeekV4(nnx.Module):
             return ModelOutput(self.logits(hidden), stacked, None, None, hidden, None)
         mtp = self.mtp
         e = mtp.enorm(jnp.take(self.embed[...], mtp_tokens, axis=0).astype(self.dtype))
-        hm = (e @ mtp.e_proj[...].astype(self.dtype)) + mtp.hnorm(h) @ mtp.h_proj[
-            ...].astype(self.dtype)
+        hm = e @ mtp.e_proj[...].astype(self.dtype) + mtp.hnorm(h) @ mtp.h_proj[...].astype(
+            self.dtype)  # [m, B, S, D]: the embedding's projection added to every stream
         hm, mtp_record = mtp.block(hm, mtp_tokens, positions, segment_ids, mask)
         mtp_hidden = mtp.norm(mtp.hc_head(hm))
         return ModelOutput(self.logits(hidden), stacked, self.logits(mtp_hidden), mtp_record,

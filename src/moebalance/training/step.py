@@ -178,8 +178,9 @@ def on_mesh(fn, mesh):
 def bind_model(step, model):
     """`step` (make_eval_step's or make_score_step's) with `model` bound as its first argument by
     nnx.cached_partial, for loops that call it many times: each call then skips walking the
-    model's graph (deepseek4-tiny's evaluation step dispatched in 13 ms instead of 35 on a 2-core
-    CPU). The model's values may change between calls (the biases do), not its structure."""
+    model's graph (a call of deepseek4-tiny's evaluation step returned after 7.4 ms instead of 33
+    on a 2-core CPU). The model's values may change between calls (the biases do), not its
+    structure."""
     if not hasattr(step, "mesh"):  # no mesh: the jitted function itself
         return nnx.cached_partial(step, model)
     return on_mesh(nnx.cached_partial(step.__wrapped__, model), step.mesh)
