@@ -136,7 +136,7 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
     for name, program in (("alone", None), ("shared", cfg_b)):
         _, model, opt = setup()
         step = make_train_step(cfg_a, model, program=program)
-        compiled = step_module._train_step(step_module._program_key(program or cfg_a),
+        compiled = step_module._train_step(step_module.config_key(program or cfg_a),
                                            tuple(routed_layers(model)), None)
         for _ in range(2):
             metrics = step(model, opt, tokens, mask, seg)

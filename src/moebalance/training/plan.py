@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 
 import jax
@@ -67,7 +66,7 @@ from moebalance.model.expert_parallel import fast_slots
 from moebalance.model.transformer import (Block, DeepSeekV4, layer_kinds, placeholder_hash_tables,
                                           routed_layers)
 from moebalance.training import sharding
-from moebalance.training.step import losses, new_optimizer
+from moebalance.training.step import config_key, losses, new_optimizer
 
 GIB = 2**30
 # The backward of one block needs about this many times its residuals on top of them (the
@@ -203,7 +202,7 @@ _LOSS_RESIDUALS: dict[tuple, int] = {}
 def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
     """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps (`model` is
     `cfg`'s, as abstract_model builds it)."""
-    key = (json.dumps(dataclasses.asdict(cfg), sort_keys=True), tuple(mesh.shape.items()))
+    key = (config_key(cfg), tuple(mesh.shape.items()))
     if key not in _LOSS_RESIDUALS:
         loss, inputs = loss_and_inputs(cfg, model, global_rows(cfg, mesh))
         _LOSS_RESIDUALS[key] = residual_bytes(loss, inputs, {2, 3, 4}, mesh)

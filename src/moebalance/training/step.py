@@ -199,7 +199,9 @@ def switches(cfg: Config) -> dict[str, jax.Array]:
             "global_balance_loss_weight": jnp.float32(cfg.global_balance_loss_weight)}
 
 
-def _program_key(cfg: Config) -> str:
+def config_key(cfg: Config) -> str:
+    """The config as one canonical JSON string: the key of what is kept per config (compiled
+    steps here, traced plans in training.plan)."""
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
@@ -215,7 +217,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     Run B's compiled step with its balancing switched off (bias rate and loss weights 0)."""
     program = program or cfg
     _check_switchable(cfg, program)
-    compiled = _train_step(_program_key(program), tuple(routed_layers(model)), mesh)
+    compiled = _train_step(config_key(program), tuple(routed_layers(model)), mesh)
     values = switches(cfg)
 
     def step(model, optimizer, tokens, mask, segment_ids):
@@ -230,7 +232,7 @@ def lower_train_step(cfg: Config, model: DeepSeekV4, optimizer, tokens, mask, se
     (`jax.ShapeDtypeStruct`s with shardings on a mesh of another platform's devices, e.g. a TPU
     topology's), without running it: `.compile().memory_analysis()` is XLA's memory plan of the
     trainer's own step (benchmarks/aot_memory.py)."""
-    run = _train_step(_program_key(cfg), tuple(routed_layers(model)), mesh)
+    run = _train_step(config_key(cfg), tuple(routed_layers(model)), mesh)
     values = jax.eval_shape(lambda: switches(cfg))  # abstract: no array on the mesh's devices
     with jax.set_mesh(mesh):
         return run.__wrapped__.lower(model, optimizer, tokens, mask, segment_ids, values)
