@@ -14,7 +14,8 @@ from moebalance.model import attention as attention_module
 from moebalance.model import layers
 from moebalance.model.attention import Attention, Compressor
 from moebalance.model.hyper import HyperConnection, sinkhorn
-from moebalance.model.transformer import DeepSeekV4, attention_dims, parameter_counts
+from moebalance.model.transformer import (DeepSeekV4, attention_dims, get_biases, parameter_counts,
+                                          routed_layers, set_biases)
 from moebalance.training.step import make_train_step, new_optimizer
 
 RNG = np.random.default_rng(0)
@@ -299,6 +300,28 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
     tables = [blk.ffn.hash_table[...] for blk in unrolled.segments[:2]]
     for layer in range(2):
         np.testing.assert_array_equal(b.routing.indices[layer], np.asarray(tables[layer])[tokens])
+
+
+def test_biases_are_written_to_their_own_layers_scanned_or_not_eagerly_or_under_jit():
+    # three units of two scanned blocks and a last single block: rows 0, 2, 4 | 1, 3, 5 | 6
+    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4, 8, 4], base_num_decoder_layers=9,
+                first_num_hash_layers=2, max_target_length=16)
+    scanned = DeepSeekV4(load_config("deepseek4-smoke", over), rngs=nnx.Rngs(3))
+    unrolled = DeepSeekV4(load_config("deepseek4-smoke", {**over, "scan_layers": False}),
+                          rngs=nnx.Rngs(3))
+    assert routed_layers(scanned) == routed_layers(unrolled) == list(range(2, 9))
+    # biases large enough to decide the top-k: any row written to another layer changes counts
+    biases = 4.0 * jax.random.normal(jax.random.key(5), (7, 8), jnp.float32)
+    set_biases(scanned, biases)
+    nnx.jit(set_biases)(unrolled, biases)
+    for row, layer in enumerate(routed_layers(unrolled)):
+        np.testing.assert_array_equal(unrolled.segments[layer].ffn.bias[...], biases[row])
+    np.testing.assert_array_equal(get_biases(scanned), biases)
+    np.testing.assert_array_equal(nnx.jit(get_biases)(scanned), biases)
+    tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+    run = nnx.jit(lambda m, t: m(t))
+    np.testing.assert_array_equal(run(scanned, tokens).routing.counts,
+                                  run(unrolled, tokens).routing.counts)
 
 
 @functools.cache

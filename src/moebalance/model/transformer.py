@@ -350,18 +350,31 @@ def routed_layers(model: DeepSeekV4) -> list[int]:
     return sorted(layer for layer, _, _ in _bias_slots(model))
 
 
+def _bias_rows(model: DeepSeekV4):
+    """(RouterBias variable, its rows of get_biases' [L_routed, E] array in stacked order) per
+    variable: one row for a single block's [E] bias, `repeats` rows for a scanned unit's."""
+    slots = sorted(_bias_slots(model), key=lambda s: s[0])
+    rows = {}
+    for row, (_, var, _) in enumerate(slots):
+        rows.setdefault(id(var), (var, []))[1].append(row)
+    return list(rows.values())
+
+
 def get_biases(model: DeepSeekV4) -> jax.Array:
     """[L_routed, E] float32 biases of the top-k blocks, in block order."""
-    slots = sorted(_bias_slots(model), key=lambda s: s[0])
-    return jnp.stack([var[...] if r is None else var[...][r] for _, var, r in slots])
+    groups = _bias_rows(model)
+    # a few array operations whatever the depth: one per variable and one reordering (eager
+    # calls cost ~1.4 ms each on a TPU's host, and the refit reads and writes the biases often)
+    parts = [var[...].reshape(len(rows), -1) for var, rows in groups]
+    stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    order = np.argsort(np.concatenate([rows for _, rows in groups]))
+    return stacked if np.array_equal(order, np.arange(len(order))) else stacked[order]
 
 
 def set_biases(model: DeepSeekV4, biases: jax.Array) -> None:
     """Write [L_routed, E] biases back (the inverse of get_biases); works under jit."""
-    slots = sorted(_bias_slots(model), key=lambda s: s[0])
-    for row, (_, var, r) in enumerate(slots):
-        value = biases[row].astype(jnp.float32)
-        new = value if r is None else var[...].at[r].set(value)
+    for var, rows in _bias_rows(model):
+        new = biases[np.asarray(rows)].astype(jnp.float32).reshape(var.shape)
         if isinstance(new, jax.core.Tracer):
             # under jit, not var[...] = new: nnx's indexed write compares the value's and the
             # variable's `sharding`, and each such read of a tracer builds an error message

@@ -238,8 +238,12 @@ def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False):
     variable, the hash tables too, so none is built from the data."""
     tables = (placeholder_hash_tables(cfg) if restoring
               else _hash_tables(cfg, train_data or data.batches(cfg)))
-    model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
-    optimizer = new_optimizer(cfg, model)
+    # drawn on the host, then placed: init_normal takes a seed per parameter from the Rngs
+    # stream, three eager key operations and a read each (~1,500 parameters in deepseek4-tiny),
+    # which on an accelerator would each be a dispatch to it and a copy back
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
     sharding.shard(model, mesh)
+    optimizer = new_optimizer(cfg, model)
     sharding.shard(optimizer, mesh)
     return model, optimizer
