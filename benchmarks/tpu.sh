@@ -238,6 +238,10 @@ ab)
         times="$times $((SECONDS - start))"
     fi
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
+    # back from the device: the table and Run B's steps (their times), not the runs' folders
+    cp "$OUT/ab/table.json" "$OUT/table.json"
+    cp "$OUT/ab/run_b/metrics.jsonl" "$OUT/metrics-b.jsonl"
+    rm -rf "$OUT/ab"
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \

@@ -68,6 +68,16 @@ def calibration_batches(cfg: Config, model: DeepSeekV4) -> int:
     return cfg.routed_bias_calibration_batches
 
 
+def refits(cfg: Config, model: DeepSeekV4) -> bool:
+    """Whether a run measures its probe set with refitted biases too (`probe_refit_batches`)."""
+    return bool(cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model))
+
+
+def fits_biases(cfg: Config, model: DeepSeekV4) -> bool:
+    """Whether a run fits biases after its last step (calibration or refit): its score step."""
+    return bool(calibration_batches(cfg, model) or refits(cfg, model))
+
+
 def first_unused_batch(cfg: Config) -> int:
     """The first training batch that neither the steps nor the calibration saw: where a refit
     that judges the run's biases starts."""
@@ -102,7 +112,7 @@ def final_probe(cfg: Config, model: DeepSeekV4, mesh, eval_step, probes, train_d
         online = probe_counts(eval_step, model, probes)
         calibrate_biases(cfg, model, mesh, train_data, calibration)
     counts, refit = probe_counts(eval_step, model, probes), None
-    if cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model):
+    if refits(cfg, model):
         with biases_set_to(model, refit_biases(cfg, model, mesh, train_data,
                                                first_unused_batch(cfg), cfg.probe_refit_batches)):
             refit = probe_counts(eval_step, model, probes)

@@ -36,10 +36,12 @@ from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables, ro
 from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, compiled, sharding
-from moebalance.training.calibration import calibration_batches, final_probe, probe_counts
+from moebalance.training.ahead import compile_ahead
+from moebalance.training.calibration import (calibration_batches, final_probe, fits_biases,
+                                             probe_counts)
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
-from moebalance.training.step import (make_eval_step, make_train_step, new_optimizer,
-                                      schedule_changes)
+from moebalance.training.step import (make_eval_step, make_score_step, make_train_step,
+                                      new_optimizer, schedule_changes)
 from moebalance.training.validation import Validation
 
 
@@ -69,8 +71,8 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         if resume and writer:
             run.rewind(first)
         changed = _change_steps(cfg, run, planned, first, model) if planned != cfg.steps else None
-        step_fn = make_train_step(cfg, model, mesh, program)
-        eval_step = make_eval_step(cfg, model, mesh)
+        step_fn, eval_step = _compiled_steps(cfg, program, mesh, (model, optimizer), probes[0],
+                                             train_data.batch(first) if first < cfg.steps else None)
         routing = layer_routing(cfg, model)
         validation = Validation(cfg, mesh, eval_step)
         tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
@@ -108,6 +110,26 @@ def _on_devices(cfg: Config, program: Config | None):
     """(the run's mesh, cfg, program) with their `remat_policy: auto` chosen for its devices."""
     mesh = sharding.make_mesh(cfg)
     return mesh, compiled.resolve_remat(cfg, mesh), compiled.resolve_remat(program, mesh)
+
+
+def _compiled_steps(cfg: Config, program: Config | None, mesh, state: tuple, probe: tuple,
+                    batch: tuple | None) -> tuple:
+    """(training step, evaluation step) of the run, compiled side by side before their first call
+    (ahead.compile_ahead), and with them, where the program (make_train_step's; default `cfg`)
+    fits biases after its last step, the score step. `batch`: the first step's local rows; None
+    when no step is left."""
+    model, optimizer = state
+    program = program or cfg
+    step_fn = make_train_step(cfg, model, mesh, program)
+    eval_step = make_eval_step(cfg, model, mesh)
+    with compile_ahead() as ahead:
+        ahead(eval_step, model, *probe)
+        if batch is not None:
+            tokens, mask, segment_ids = sharding.global_batch(mesh, *batch)
+            ahead(step_fn, model, optimizer, tokens, mask, segment_ids)
+            if fits_biases(program, model):  # on micro-batches of the training data, as the refit
+                ahead(make_score_step(program, model, mesh), model, tokens[0], segment_ids[0])
+    return step_fn, eval_step
 
 
 def layer_routing(cfg: Config, model) -> list[str]:

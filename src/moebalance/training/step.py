@@ -162,7 +162,8 @@ def schedule_changes(before: Config, after: Config, steps: int) -> list[str]:
 
 
 def on_mesh(fn, mesh):
-    """`fn` run (and so traced) with `mesh` set, where the MoE layers find it; as is without."""
+    """`fn` run (and so traced) with `mesh` set, where the MoE layers find it; as is without.
+    Like the jitted `fn`, the result has `.lower(*args)` (ahead.compile_ahead)."""
     if mesh is None:
         return fn
 
@@ -171,7 +172,11 @@ def on_mesh(fn, mesh):
         with jax.set_mesh(mesh):
             return fn(*args)
 
-    run.mesh = mesh
+    def lower(*args):
+        with jax.set_mesh(mesh):
+            return fn.lower(*args)
+
+    run.mesh, run.lower = mesh, lower
     return run
 
 
@@ -214,7 +219,8 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
 
     program: the config the step is compiled for (default `cfg`); `cfg` may differ from it in
     SWITCHES only, whose values it passes at run time: with program = Run B's config, Run A runs
-    Run B's compiled step with its balancing switched off (bias rate and loss weights 0)."""
+    Run B's compiled step with its balancing switched off (bias rate and loss weights 0).
+    `step.lower(model, optimizer, tokens, mask, segment_ids)` lowers it without running it."""
     program = program or cfg
     _check_switchable(cfg, program)
     compiled = _train_step(config_key(program), tuple(routed_layers(model)), mesh)
@@ -223,6 +229,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     def step(model, optimizer, tokens, mask, segment_ids):
         return compiled(model, optimizer, tokens, mask, segment_ids, values)
 
+    step.lower = lambda model, optimizer, *batch: compiled.lower(model, optimizer, *batch, values)
     return step
 
 

@@ -1,0 +1,72 @@
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moebalance.config import load_config
+from moebalance.training.ahead import compile_ahead
+from moebalance.training.hooks import Hook
+from moebalance.training.loop import train
+
+COMPILED = re.compile(r"Finished XLA compilation of jit\((\w+)\)")
+
+
+def compilations(caplog, name: str | None = None) -> list[str]:
+    """The names of the programs XLA compiled while caplog listened (JAX's own timing lines),
+    those called `name` only if given."""
+    return [m[1] for r in caplog.records
+            if (m := COMPILED.match(r.getMessage())) and m[1] == (name or m[1])]
+
+
+@pytest.fixture
+def compile_log(caplog):
+    caplog.set_level(logging.DEBUG, logger="jax._src.dispatch")
+    return caplog
+
+
+def test_a_program_compiled_ahead_is_not_compiled_again_by_its_call(compile_log):
+    @jax.jit
+    def twice_plus_shift(x, shift):
+        return 2 * x + shift
+
+    x = jnp.asarray(np.arange(6.0).reshape(2, 3))
+    with compile_ahead() as ahead:
+        ahead(twice_plus_shift, x, 1.0)
+    assert len(compilations(compile_log, "twice_plus_shift")) == 1
+    np.testing.assert_array_equal(twice_plus_shift(x, 1.0), 2 * np.arange(6.0).reshape(2, 3) + 1)
+    assert len(compilations(compile_log, "twice_plus_shift")) == 1
+    twice_plus_shift(x[:1], 1.0)  # another shape is another program
+    assert len(compilations(compile_log, "twice_plus_shift")) == 2
+
+
+def test_an_error_while_lowering_reaches_the_caller():
+    @jax.jit
+    def broken(x):
+        return x @ x  # [3] @ [3] is fine, [2, 3] @ [2, 3] is not
+
+    with pytest.raises(TypeError, match="dot_general"):
+        with compile_ahead() as ahead:
+            ahead(broken, jnp.ones((2, 3)))
+
+
+def test_a_run_compiles_its_steps_before_the_first_and_each_once(tmp_path, compile_log):
+    # its own seed: a training step no other test compiled; calibration and a refit use the
+    # score step
+    cfg = load_config("deepseek4-smoke", dict(
+        steps=2, max_target_length=16, per_device_batch_size=2, seed=91,
+        routed_bias_calibration_batches=1, probe_refit_batches=1))
+    before_first = []
+
+    class AtStart(Hook):
+        def start(self, first, steps):
+            before_first.extend(compilations(compile_log))
+
+    train(cfg, tmp_path / "run", hooks=[AtStart()])
+    assert before_first.count("step") == 1
+    compiled = compilations(compile_log)
+    assert compiled.count("step") == 1
+    for program in ("eval_step", "score_step"):  # earlier tests may have compiled these
+        assert compiled.count(program) <= 1
