@@ -1,7 +1,8 @@
 """Where a moebalance command's start-up time goes, program by program: run the command in this
 process with JAX's own timing log lines captured (DEBUG level, so nothing else changes), and
 print one JSON object: the wall time, and per phase (tracing, lowering to MLIR, XLA compilation or
-a load from the persistent cache) the total and the slowest programs.
+a load from the persistent cache) the total and the slowest programs, each with the time since
+the command's start at which its first such event ended.
 
     python3 benchmarks/program_log.py [--json FILE] [--top N] -- ab deepseek4-tiny --out /tmp/ab
 
@@ -30,11 +31,13 @@ HIT = re.compile(r"Persistent compilation cache hit for '(?P<name>[^']+)'")
 
 
 class Recorder(logging.Handler):
-    """Collects (phase, program, seconds) from JAX's timing lines, and the cache hits."""
+    """Collects (phase, program, seconds, seconds since the start when it ended) from JAX's
+    timing lines, and the cache hits."""
 
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.events, self.hits = [], collections.Counter()
+        self.start = time.perf_counter()
         self.patterns = [(re.compile(p), phase) for p, phase in PHASES.items()]
 
     def emit(self, record):
@@ -46,7 +49,8 @@ class Recorder(logging.Handler):
         for pattern, phase in self.patterns:
             found = pattern.match(message)
             if found:
-                self.events.append((phase, found["name"], float(found["s"])))
+                self.events.append((phase, found["name"], float(found["s"]),
+                                    time.perf_counter() - self.start))
                 return
 
 
@@ -54,17 +58,18 @@ def summary(events, hits, wall_s: float, top: int) -> dict:
     """The phases' totals over programs, their `top` slowest entries, and the cache hits."""
     out = {"wall_s": round(wall_s, 1), "cache_hits": sum(hits.values()), "phases": {}}
     for phase in dict.fromkeys(PHASES.values()):
-        rows = [(name, s) for p, name, s in events if p == phase]
-        per_name = collections.defaultdict(lambda: [0, 0.0])
-        for name, s in rows:
+        rows = [(name, s, end) for p, name, s, end in events if p == phase]
+        per_name = collections.defaultdict(lambda: [0, 0.0, None])
+        for name, s, end in rows:
             per_name[name][0] += 1
             per_name[name][1] += s
+            per_name[name][2] = per_name[name][2] or end
         slowest = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
         out["phases"][phase] = {
             "count": len(rows),
-            **({} if phase == "trace" else {"total_s": round(sum(s for _, s in rows), 2)}),
-            "slowest": [{"program": name, "count": n, "s": round(s, 2)}
-                        for name, (n, s) in slowest]}
+            **({} if phase == "trace" else {"total_s": round(sum(s for _, s, _ in rows), 2)}),
+            "slowest": [{"program": name, "count": n, "s": round(s, 2),
+                         "first_ended_at": round(end, 1)} for name, (n, s, end) in slowest]}
     return out
 
 
@@ -91,9 +96,10 @@ def main(argv=None) -> int:
 
     from moebalance.cli import main as moebalance
 
-    start = time.perf_counter()
+    recorder.start = time.perf_counter()
     code = moebalance(command, compile_cache=True)
-    result = summary(recorder.events, recorder.hits, time.perf_counter() - start, args.top)
+    wall = time.perf_counter() - recorder.start
+    result = summary(recorder.events, recorder.hits, wall, args.top)
     result["command"] = " ".join(command)
     text = json.dumps(result, indent=1)
     print(text)

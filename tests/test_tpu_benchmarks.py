@@ -1,13 +1,16 @@
 """The TPU benchmarks' CPU-side parts: aot_memory.py reading the compiler's live-range
 dump and HLO (the formats of the TPU compiler's files, abridged) and the whole script compiling
-the smoke step for the CPU; tpu_record.py's peer and A/B parts of the record; tpu.sh's syntax."""
+the smoke step for the CPU; tpu_record.py's peer and A/B parts of the record; program_log.py's
+reading of JAX's timing lines; tpu.sh's syntax."""
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
+import jax
 import pytest
 from flax import nnx
 
@@ -238,3 +241,34 @@ def test_the_record_names_the_dtype_of_adamws_moments(weight_dtype):
     assert _benchmark("model_step").moment_dtype(optimizer) == weight_dtype
     assert {str(v.dtype) for p, v in nnx.to_flat_state(nnx.state(optimizer))
             if "mu" in p} == {weight_dtype, "float32"}  # not a test of a single dtype
+
+
+def test_program_log_reads_jaxs_timing_lines_and_sums_each_phase():
+    """program_log.py: JAX's own lines for a jitted function (one compile, then a cache hit line
+    as the persistent cache writes it), each phase summed per program, tracing left unsummed."""
+    program_log = _benchmark("program_log")
+    recorder = program_log.Recorder()
+    logger = logging.getLogger("jax._src.dispatch")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(recorder)
+    try:
+        jax.jit(lambda x: x * 3 + 1)(jax.numpy.ones(7))
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+    recorder.emit(logging.makeLogRecord({"msg": "Persistent compilation cache hit for "
+                                                "'jit_step' with key 'abc'"}))
+    phases = {phase for phase, name, _, _ in recorder.events if "<lambda>" in name}
+    assert phases == {"trace", "lower", "compile"}
+    events = [("trace", "step", 5.0, 6.0), ("trace", "loss", 2.0, 5.5),
+              ("lower", "jit(step)", 1.5, 7.5), ("compile", "jit(step)", 40.0, 47.5),
+              ("compile", "jit(add)", 0.25, 1.0), ("compile", "jit(add)", 0.5, 48.0)]
+    out = program_log.summary(events, recorder.hits, 60.04, top=1)
+    assert out["wall_s"] == 60.0 and out["cache_hits"] == 1
+    assert "total_s" not in out["phases"]["trace"]  # nested traces are inside their parent's
+    assert out["phases"]["compile"] == {
+        "count": 3, "total_s": 40.75,
+        "slowest": [{"program": "jit(step)", "count": 1, "s": 40.0, "first_ended_at": 47.5}]}
+    add = program_log.summary(events, recorder.hits, 60.0, top=2)["phases"]["compile"]["slowest"]
+    assert add[1] == {"program": "jit(add)", "count": 2, "s": 0.75, "first_ended_at": 1.0}

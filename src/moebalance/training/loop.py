@@ -123,12 +123,12 @@ def _compiled_steps(cfg: Config, program: Config | None, mesh, state: tuple, pro
     step_fn = make_train_step(cfg, model, mesh, program)
     eval_step = make_eval_step(cfg, model, mesh)
     with compile_ahead() as ahead:
-        ahead(eval_step, model, *probe)
-        if batch is not None:
+        if batch is not None:  # the longest compilation first
             tokens, mask, segment_ids = sharding.global_batch(mesh, *batch)
             ahead(step_fn, model, optimizer, tokens, mask, segment_ids)
             if fits_biases(program, model):  # on micro-batches of the training data, as the refit
                 ahead(make_score_step(program, model, mesh), model, tokens[0], segment_ids[0])
+        ahead(eval_step, model, *probe)
     return step_fn, eval_step
 
 
