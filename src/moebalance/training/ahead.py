@@ -6,7 +6,7 @@ persistent compilation cache, in a thread of its own, which releases that lock: 
 program's tracing and the other compilations go on meanwhile. The first call of each then finds
 it compiled (jax.jit keeps what `.lower(...).compile()` made for the same arguments). On a TPU v5e,
 deepseek4-tiny's training, evaluation and score steps took 68.5, 17.6 and 12.9 s to compile one
-after another (docs/performance.md).
+after another (docs/distributed.md, On TPUs).
 """
 
 from __future__ import annotations
