@@ -35,6 +35,7 @@
 #   bash benchmarks/tpu.sh ab [twice]  `moebalance ab deepseek4-tiny` on the chip, and with `twice`
 #     the same again with the compilation cache warm -> "ab" (first_s, second_s, its table's total),
 #     each run's programs timed by benchmarks/program_log.py ($OUT/programs-1.json, -2.json);
+#     AB_OVERRIDES="key=value ..." gives both runs config overrides (e.g. remat_policy=full);
 #   bash benchmarks/tpu.sh speed    (~8 minutes) the issue-40 pair: profile_step.py on the 8-layer
 #     2 x 2048 step (device time by part, $OUT/profile-d1024.json) and model_step.py at MaxText's
 #     shape (9 layers [0,0,4,128,4,128,4,128,4], 2 x 2048, shared/peers/maxtext-tpu) -> a run;
@@ -229,12 +230,12 @@ ab)
     # cache load) times in $OUT/programs-1.json (and -2.json, the warm run)
     start=$SECONDS
     part 300 ab python3 benchmarks/program_log.py --json "$OUT/programs-1.json" -- \
-        ab deepseek4-tiny --out "$OUT/ab"
+        ab deepseek4-tiny ${AB_OVERRIDES:-} --out "$OUT/ab"
     times=$((SECONDS - start))
     if [ "${2:-}" = twice ]; then
         start=$SECONDS
         part 200 ab python3 benchmarks/program_log.py --json "$OUT/programs-2.json" -- \
-            ab deepseek4-tiny --out "$OUT/ab" --overwrite
+            ab deepseek4-tiny ${AB_OVERRIDES:-} --out "$OUT/ab" --overwrite
         times="$times $((SECONDS - start))"
     fi
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
