@@ -97,18 +97,28 @@ def test_decaying_bias_rate_follows_the_cosine_in_the_step():
         np.testing.assert_allclose(get_biases(model), want, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("rate", [1.0, 0.25])
-def test_quantile_rule_sets_the_bias_from_the_step_scores(rate):
-    cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate)
+def test_quantile_rule_sets_the_bias_from_the_step_scores_at_each_runs_rate_on_one_program():
+    """The fit to the step's own scores, damped by the run's rate (1: the fit itself); runs that
+    differ only in their rate run one compiled step, the rate passed at run time."""
+    from moebalance.training import step as step_module
+
     tokens, mask, seg = batch(1, 4)
-    out = nnx.jit(lambda m, t: m(t))(model, tokens[0, :, :-1])
-    before = np.asarray(get_biases(model))
-    make_train_step(cfg, model)(model, opt, tokens, mask, seg)
-    for i, layer in enumerate(routed_layers(model)):
-        s = np.asarray(out.routing.scores[layer]).reshape(-1, cfg.num_experts)
-        fit = ref.quantile_bias(s, before[i], cfg.num_experts_per_tok)
-        np.testing.assert_allclose(get_biases(model)[i], before[i] + rate * (fit - before[i]),
-                                   rtol=1e-4, atol=1e-5)
+    programs = set()
+    for rate in (1.0, 0.25):
+        cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate)
+        programs.add(step_module._train_step(step_module.program_key(cfg),
+                                             tuple(routed_layers(model)), None))
+        if rate == 1.0:  # both models start from the same weights and biases
+            out = nnx.jit(lambda m, t: m(t))(model, tokens[0, :, :-1])
+            before = np.asarray(get_biases(model))
+        make_train_step(cfg, model)(model, opt, tokens, mask, seg)
+        for i, layer in enumerate(routed_layers(model)):
+            s = np.asarray(out.routing.scores[layer]).reshape(-1, cfg.num_experts)
+            fit = ref.quantile_bias(s, before[i], cfg.num_experts_per_tok)
+            np.testing.assert_allclose(get_biases(model)[i], before[i] + rate * (fit - before[i]),
+                                       rtol=1e-4, atol=1e-5)
+    (compiled,) = programs
+    assert compiled.jitted_fn._cache_size() == 1
 
 
 def test_weight_decay_skips_norms_and_scales():
@@ -136,7 +146,7 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
     for name, program in (("alone", None), ("shared", cfg_b)):
         _, model, opt = setup()
         step = make_train_step(cfg_a, model, program=program)
-        compiled = step_module._train_step(step_module.config_key(program or cfg_a),
+        compiled = step_module._train_step(step_module.program_key(program or cfg_a),
                                            tuple(routed_layers(model)), None)
         for _ in range(2):
             metrics = step(model, opt, tokens, mask, seg)
@@ -155,12 +165,19 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
 
 
 def test_a_shared_program_refuses_configs_it_cannot_run():
+    """Another model, bias rule or balance loss than the program's, or a bias update where the
+    program has none, is refused, naming the key; another bias rate runs (a run-time value)."""
     cfg_b, model, _ = setup()
-    for change in ({"num_experts_per_tok": 1}, {"routed_bias_update_rate": 0.5},
-                   {"global_balance_loss_weight": 1e-3}):
+    unbiased = load_config("deepseek4-smoke", {**BASE, "routed_bias_update_rate": 0})
+    for change, program in (({"num_experts_per_tok": 1}, cfg_b),
+                            ({"routed_bias_update_rule": "proportional"}, cfg_b),
+                            ({"global_balance_loss_weight": 1e-3}, cfg_b),
+                            ({}, unbiased)):
         cfg = load_config("deepseek4-smoke", {**BASE, **change})
-        with pytest.raises(ValueError, match=next(iter(change))):
-            make_train_step(cfg, model, program=cfg_b)
+        with pytest.raises(ValueError, match=next(iter(change), "routed_bias_update_rate")):
+            make_train_step(cfg, model, program=program)
+    make_train_step(load_config("deepseek4-smoke", {**BASE, "routed_bias_update_rate": 0.5}),
+                    model, program=cfg_b)
 
 
 def test_the_step_donates_the_state_it_replaces():

@@ -137,15 +137,24 @@ def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed, we
     return total, aux
 
 
-def bias_rate(cfg: Config, step):
+def base_bias_rate(cfg: Config) -> float:
+    """The bias rate a run starts from: `routed_bias_update_rate`, the rule's default where it is
+    negative, 0 without a routed bias."""
     if not cfg.routed_bias:
-        return jnp.float32(0.0)
-    freeze = cfg.routed_bias_freeze_step if cfg.routed_bias_freeze_step >= 0 else None
+        return 0.0
     rate = cfg.routed_bias_update_rate
-    if rate < 0:
-        rate = balancing.DEFAULT_RATES[cfg.routed_bias_update_rule]
-    return balancing.rate_schedule(rate, freeze, decay_steps=max(cfg.steps - 1, 1),
+    return balancing.DEFAULT_RATES[cfg.routed_bias_update_rule] if rate < 0 else rate
+
+
+def bias_rate_fraction(cfg: Config, step):
+    """The bias rate at `step` as a fraction of its base rate: its cosine decay and its freeze."""
+    freeze = cfg.routed_bias_freeze_step if cfg.routed_bias_freeze_step >= 0 else None
+    return balancing.rate_schedule(1.0, freeze, decay_steps=max(cfg.steps - 1, 1),
                                    final_fraction=cfg.routed_bias_update_rate_final_fraction)(step)
+
+
+def bias_rate(cfg: Config, step):
+    return base_bias_rate(cfg) * bias_rate_fraction(cfg, step)
 
 
 def schedule_changes(before: Config, after: Config, steps: int) -> list[str]:
@@ -198,16 +207,26 @@ SWITCHES = ("routed_bias", "routed_bias_update_rate", "load_balance_loss_weight"
 
 
 def switches(cfg: Config) -> dict[str, jax.Array]:
-    """The traced values of a run's SWITCHES: `bias` scales the program's bias rate (0: off)."""
-    return {"bias": jnp.float32(cfg.routed_bias and cfg.routed_bias_update_rate != 0),
+    """The traced values of a run's SWITCHES: `bias`, its base bias rate (0: off), which the
+    program's schedule scales step by step."""
+    return {"bias": jnp.float32(base_bias_rate(cfg)),
             "load_balance_loss_weight": jnp.float32(cfg.load_balance_loss_weight),
             "global_balance_loss_weight": jnp.float32(cfg.global_balance_loss_weight)}
 
 
 def config_key(cfg: Config) -> str:
-    """The config as one canonical JSON string: the key of what is kept per config (compiled
-    steps here, traced plans in training.plan)."""
+    """The config as one canonical JSON string: the key of what is kept per config (traced plans
+    in training.plan; compiled steps by program_key)."""
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def program_key(program: Config) -> str:
+    """config_key of what a program compiles: its bias rate and balance-loss weights only as on
+    or off (1 or 0), since their values are passed at run time, so that programs that differ in
+    them share one compiled step."""
+    on = {key: float(getattr(program, key) > 0) for key in _LOSSES}
+    return config_key(dataclasses.replace(program, routed_bias_update_rate=float(
+        _uses_bias(program)), **on))
 
 
 def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config | None = None):
@@ -223,7 +242,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     `step.lower(model, optimizer, tokens, mask, segment_ids)` lowers it without running it."""
     program = program or cfg
     _check_switchable(cfg, program)
-    compiled = _train_step(config_key(program), tuple(routed_layers(model)), mesh)
+    compiled = _train_step(program_key(program), tuple(routed_layers(model)), mesh)
     values = switches(cfg)
 
     def step(model, optimizer, tokens, mask, segment_ids):
@@ -239,7 +258,7 @@ def lower_train_step(cfg: Config, model: DeepSeekV4, optimizer, tokens, mask, se
     (`jax.ShapeDtypeStruct`s with shardings on a mesh of another platform's devices, e.g. a TPU
     topology's), without running it: `.compile().memory_analysis()` is XLA's memory plan of the
     trainer's own step (benchmarks/aot_memory.py)."""
-    run = _train_step(config_key(cfg), tuple(routed_layers(model)), mesh)
+    run = _train_step(program_key(cfg), tuple(routed_layers(model)), mesh)
     values = jax.eval_shape(lambda: switches(cfg))  # abstract: no array on the mesh's devices
     with jax.set_mesh(mesh):
         return run.__wrapped__.lower(model, optimizer, tokens, mask, segment_ids, values)
@@ -262,8 +281,7 @@ def _conflicts(cfg: Config, program: Config) -> list[str]:
     free = SWITCHES + (() if _uses_bias(cfg) else BIAS_KEYS)
     differs = [f.name for f in dataclasses.fields(Config)
                if f.name not in free and getattr(cfg, f.name) != getattr(program, f.name)]
-    if _uses_bias(cfg) and (cfg.routed_bias_update_rate != program.routed_bias_update_rate
-                            or not program.routed_bias):
+    if _uses_bias(cfg) and not _uses_bias(program):
         differs.append("routed_bias_update_rate")
     return differs + [key for key in _LOSSES if getattr(cfg, key) and not getattr(program, key)]
 
@@ -302,9 +320,10 @@ def _program(group: list[Config]) -> Config:
 
 
 @functools.cache
-def _train_step(program_key: str, routed: tuple[int, ...], mesh):
-    """The jitted step of a program (one per program, mesh and model layout: jax.jit's cache)."""
-    cfg = Config(**json.loads(program_key))
+def _train_step(key: str, routed: tuple[int, ...], mesh):
+    """The jitted step of a program (`program_key`; one per program, mesh and model layout:
+    jax.jit's cache)."""
+    cfg = Config(**json.loads(key))
     routed = list(routed)
 
     # The model's and optimizer's buffers are donated: the step's new state takes their place
@@ -334,7 +353,7 @@ def _train_step(program_key: str, routed: tuple[int, ...], mesh):
         metrics = {name: value.mean() for name, value in aux.items()}
         metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
                        lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
-        rate = values["bias"] * bias_rate(cfg, optimizer.step[...])
+        rate = values["bias"] * bias_rate_fraction(cfg, optimizer.step[...])
         with jax.named_scope("optimizer"):
             optimizer.update(model, grads)
         with jax.named_scope("bias_update"):
