@@ -250,10 +250,10 @@ def test_csa_dense_and_gathered_give_the_same_gradients(monkeypatch):
     seg = jnp.asarray(np.repeat([0, 1], [11, 15]))[None].repeat(2, 0)
     w = jnp.asarray(RNG.normal(size=(2, 26, cfg.base_emb_dim)), jnp.float32)
 
-    def value_and_grads(dense_topk):
+    def value_and_grads(dense_topk):  # one program each, not ~200 eager operations
         monkeypatch.setattr(attention_module, "DENSE_TOPK", dense_topk)
-        return jax.value_and_grad(lambda p, x: (nnx.merge(graphdef, p)(
-            x, jnp.arange(26)[None].repeat(2, 0), seg, freqs) * w).sum(), argnums=(0, 1))(
+        return jax.jit(jax.value_and_grad(lambda p, x: (nnx.merge(graphdef, p)(
+            x, jnp.arange(26)[None].repeat(2, 0), seg, freqs) * w).sum(), argnums=(0, 1)))(
             params, x)
 
     dense, gathered = value_and_grads(4), value_and_grads(0)

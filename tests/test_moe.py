@@ -33,6 +33,9 @@ def inputs(seed=1, shape=(2, 9)):
     return x, mask
 
 
+# the layer as training runs it: one program per layer's layout, not a program per eager operation
+forward = nnx.jit(lambda model, x, mask: model(x, mask=mask))
+
 # (dispatch, kernel); Pallas kernels interpreted on the CPU; megablox's blocks: test_kernels.py
 LAYOUTS = [("blocked", "xla"), ("blocked", "pallas"), ("ragged", "xla"), ("ragged", "megablox")]
 
@@ -41,7 +44,7 @@ LAYOUTS = [("blocked", "xla"), ("blocked", "pallas"), ("ragged", "xla"), ("ragge
 def test_dropless_layer_equals_per_token_loop(dispatch, kernel):
     model = make(dispatch=dispatch, kernel=kernel)
     x, mask = inputs()
-    y, rec = model(x, mask=mask)
+    y, rec = forward(model, x, mask)
     xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
     idx = np.asarray(rec.indices).reshape(-1, 3)
     w = np.asarray(rec.weights).reshape(-1, 3)
@@ -64,7 +67,7 @@ def test_dropless_layer_equals_per_token_loop(dispatch, kernel):
 def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
     model = make(capacity_factor=capacity_factor, drop_policy=policy, kernel=kernel)
     x, mask = inputs(seed=3)
-    y, rec = model(x, mask=mask)
+    y, rec = forward(model, x, mask)
     xt, valid = np.asarray(x).reshape(-1, 16), np.asarray(mask).reshape(-1)
     idx = np.asarray(rec.indices).reshape(-1, 3)
     w = np.asarray(rec.weights).reshape(-1, 3)
@@ -83,7 +86,7 @@ def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
 def test_shared_experts_are_added_unweighted():
     model = make(shared_experts=2)
     x, _ = inputs()
-    y, rec = model(x)
+    y, rec = forward(model, x, None)
     xt = np.asarray(x, np.float64).reshape(-1, 16)
     sh = model.shared
     assert sh.w1.shape == (16, 24)  # two experts fused into one of width 2*F
@@ -123,8 +126,8 @@ def test_gradients_equal_dense_autodiff(dispatch, kernel):
     def loss_dense(m, x):
         return (_dense_reference(m, x) * probe).sum()
 
-    g1, gx1 = nnx.grad(loss_layer, argnums=(0, 1))(model, x)
-    g2, gx2 = nnx.grad(loss_dense, argnums=(0, 1))(model, x)
+    g1, gx1 = nnx.jit(nnx.grad(loss_layer, argnums=(0, 1)))(model, x)
+    g2, gx2 = nnx.jit(nnx.grad(loss_dense, argnums=(0, 1)))(model, x)
     np.testing.assert_allclose(gx1, gx2, **tolerance(rtol=1e-4, atol=1e-5))
     for name in ("router", "w1", "w3", "w2"):
         np.testing.assert_allclose(g1[name][...], g2[name][...],
@@ -172,7 +175,7 @@ def test_bfloat16_gradients_equal_ragged_dot_autodiff(dispatch, kernel):
 def test_bias_is_never_a_parameter_gradient_or_optimizer_target():
     model = make()
     x, _ = inputs()
-    grads = nnx.grad(lambda m: m(x)[0].sum())(model)
+    grads = nnx.jit(nnx.grad(lambda m: m(x)[0].sum()))(model)
     leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads))
     assert not any("bias" in jax.tree_util.keystr(p) for p, _ in leaves)
     assert all(isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
@@ -188,12 +191,12 @@ def test_bias_is_never_a_parameter_gradient_or_optimizer_target():
 def test_bf16_model_keeps_float32_router_maths_and_bias():
     model = make(dtype="bfloat16", weight_dtype="bfloat16")
     x, _ = inputs()
-    y, rec = model(x.astype(jnp.bfloat16))
+    y, rec = forward(model, x.astype(jnp.bfloat16), None)
     assert y.dtype == jnp.bfloat16 and model.w1.dtype == jnp.bfloat16
     assert model.bias.dtype == jnp.float32 and model.router.dtype == jnp.float32
     assert rec.scores.dtype == jnp.float32 and rec.weights.dtype == jnp.float32
     assert rec.logits.dtype == jnp.float32 and rec.counts.dtype == jnp.int32
-    y32, _ = make()(x)
+    y32, _ = forward(make(), x, None)
     np.testing.assert_allclose(np.asarray(y, np.float32), y32, rtol=0.1, atol=0.1)
 
 
@@ -214,7 +217,7 @@ def test_hash_routed_layer():
     assert model.hash_routed and model.hash_table.dtype == jnp.int32
     ids = jax.random.randint(jax.random.key(0), (2, 5), 0, 32)
     x, _ = inputs(shape=(2, 5))
-    y, rec = model(x, token_ids=ids)
+    y, rec = nnx.jit(lambda m, x, ids: m(x, token_ids=ids))(model, x, ids)
     np.testing.assert_array_equal(rec.indices, table[np.asarray(ids)])
     np.testing.assert_array_equal(rec.counts, ref.counts(table[np.asarray(ids)], 8))
     assert model.bias is None  # no selection bias on a hash layer

@@ -120,7 +120,7 @@ def test_a_float32_model_multiplies_in_float32_everywhere():
     def step(state, cache):
         return decode.step(nnx.merge(graphdef, state), cache, tokens[:, 0])
 
-    _, cache = prefill(state)
+    _, cache = jax.jit(prefill)(state)  # one program, not ~400 eager operations
     decoding = dots(prefill, state) + dots(step, state, cache)
     assert len(decoding) > 50
     assert all(d[0] == "HIGHEST" for d in decoding), [d for d in decoding if d[0] != "HIGHEST"]
