@@ -263,7 +263,7 @@ def test_sequence_loss_segments_are_not_the_sequence():
 def test_sequence_loss_gradient_flows_through_p_only():
     rng = np.random.default_rng(0)
     s = jnp.asarray(rng.random((2, 6, 4)) + 0.1, jnp.float32)
-    g = jax.grad(lambda x: balancing.sequence_balance_loss(x, 4, 2))(s)
+    g = jax.jit(jax.grad(lambda x: balancing.sequence_balance_loss(x, 4, 2)))(s)
     # d/ds[t,i] of sum_i f_i P_i with f fixed, P_i = mean_t s[t,i]/sum_j s[t,j]
     hits = np.zeros((2, 4))
     for b in range(2):

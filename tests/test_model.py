@@ -75,8 +75,8 @@ def test_sinkhorn_gradient_matches_autodiff_of_the_plain_iteration():
     logits = jnp.asarray(RNG.normal(size=(2, 5, 4, 4)) * 2, jnp.float32)
     weights = jnp.asarray(RNG.normal(size=logits.shape), jnp.float32)
     for iters in (1, 2, 20):
-        got = jax.grad(lambda x: (sinkhorn(x, iters, 1e-6) * weights).sum())(logits)
-        want = jax.grad(lambda x: (plain(x, iters, 1e-6) * weights).sum())(logits)
+        got = jax.jit(jax.grad(lambda x: (sinkhorn(x, iters, 1e-6) * weights).sum()))(logits)
+        want = jax.jit(jax.grad(lambda x: (plain(x, iters, 1e-6) * weights).sum()))(logits)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
@@ -161,8 +161,9 @@ def test_hyper_connection_post_gradient_matches_autodiff_of_the_plain_formula():
         mixed = (jnp.moveaxis(comb, (-2, -1), (0, 1))[..., None] * h[:, None]).sum(0)
         return jnp.moveaxis(post, -1, 0)[..., None] * fy + mixed
 
-    got = jax.grad(lambda *a: (HyperConnection.post(*a) * weights).sum(), argnums=(0, 1, 2, 3))
-    want = jax.grad(lambda *a: (plain(*a) * weights).sum(), argnums=(0, 1, 2, 3))
+    got = jax.jit(jax.grad(lambda *a: (HyperConnection.post(*a) * weights).sum(),
+                           argnums=(0, 1, 2, 3)))
+    want = jax.jit(jax.grad(lambda *a: (plain(*a) * weights).sum(), argnums=(0, 1, 2, 3)))
     for g, w in zip(got(*args), want(*args)):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -181,7 +182,7 @@ def test_compressor_matches_reference(ratio):
     _randomize(comp)
     freqs = layers.rope_frequencies(4, 160000.0)
     x = jnp.asarray(RNG.normal(size=(2, 21, 16)), jnp.float32)  # 21: a trailing partial block
-    got = comp(x, freqs)
+    got = nnx.jit(lambda comp, x: comp(x, freqs))(comp, x)
     assert got.shape == (2, 21 // ratio, 6)
     for b in range(2):
         want = ref.compressor(f64(x[b]), f64(comp.wkv[...]), f64(comp.wgate[...]),
@@ -217,7 +218,8 @@ def test_attention_matches_reference(ratio, dense_topk, packed, monkeypatch):
     x = jnp.asarray(RNG.normal(size=(1, s, dims.emb_dim)), jnp.float32)
     # packed: three documents; boundaries inside and on compressed blocks
     seg = np.repeat([0, 1, 2], [9, 8, 9]) if packed else np.zeros(s, int)
-    got = attn(x, jnp.arange(s)[None], jnp.asarray(seg)[None], freqs)
+    got = nnx.jit(lambda attn, x, positions, seg: attn(x, positions, seg, freqs))(
+        attn, x, jnp.arange(s)[None], jnp.asarray(seg)[None])
     p = _params_of_attention(attn)
     c = dict(heads=dims.heads, head_dim=dims.head_dim, eps=dims.eps, ratio=ratio,
              window=dims.window, o_groups=dims.o_groups, index_heads=dims.index_heads,
