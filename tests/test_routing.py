@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,11 +36,16 @@ def routing_case(draw):
                 normalize=draw(st.sampled_from([None, True, False])))
 
 
+# one program per routing configuration, as the model runs it, not one per eager operation
+jitted_route = jax.jit(routing.route, static_argnames=("k", "score_fn", "route_scale", "n_groups",
+                                                       "topk_groups", "normalize"))
+
+
 @settings(max_examples=150, deadline=None)
 @given(routing_case())
 def test_route_matches_reference(case):
-    idx, w, s = routing.route(jnp.asarray(case["logits"]), jnp.asarray(case["bias"]),
-                              **{k: v for k, v in case.items() if k not in ("logits", "bias")})
+    idx, w, s = jitted_route(jnp.asarray(case["logits"]), jnp.asarray(case["bias"]),
+                             **{k: v for k, v in case.items() if k not in ("logits", "bias")})
     assert idx.dtype == jnp.int32 and w.dtype == jnp.float32 and s.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(s), ref.scores(case["logits"], case["score_fn"]),
                                rtol=function_rtol(1e-6, case["score_fn"]), atol=1e-7)
