@@ -260,8 +260,7 @@ def lower_train_step(cfg: Config, model: DeepSeekV4, optimizer, tokens, mask, se
     trainer's own step (benchmarks/aot_memory.py)."""
     run = _train_step(program_key(cfg), tuple(routed_layers(model)), mesh)
     values = jax.eval_shape(lambda: switches(cfg))  # abstract: no array on the mesh's devices
-    with jax.set_mesh(mesh):
-        return run.__wrapped__.lower(model, optimizer, tokens, mask, segment_ids, values)
+    return run.lower(model, optimizer, tokens, mask, segment_ids, values)
 
 
 # Keys that only shape the bias update: a config whose bias is off may differ from its program's.
