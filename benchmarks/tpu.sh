@@ -58,13 +58,12 @@
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
 #   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
 #     $TESTS_LIMIT seconds (default 540) as by Ctrl-C, reporting what ran (default the
-#     whole selection, 188 tests, which needs more than one device call: on 2026-12-06 its 189
-#     then took ~1,250 s, ~6.5 s a test, compilation mostly) -> "tests", JUnit XML in
-#     $OUT/tests.xml, its output in $OUT/tests.txt. Three calls, by their 2026-12-06 times:
-#     tests/test_generate.py tests/test_cross_entropy.py tests/test_balancing.py
-#     tests/test_export.py tests/test_precision.py tests/test_routing.py (404 s); then
-#     tests/test_train_step.py tests/test_moe.py tests/test_metrics.py (~430 s); then
-#     tests/test_model.py (~400 s).
+#     whole selection, 193 tests, which needs two device calls) -> "tests", JUnit XML in
+#     $OUT/tests.xml, its output in $OUT/tests.txt. The two calls of 2026-12-07 (a93b4f0, all
+#     passing; TESTS_LIMIT=550): tests/test_balancing.py tests/test_cross_entropy.py
+#     tests/test_export.py tests/test_generate.py tests/test_precision.py tests/test_routing.py
+#     tests/test_metrics.py tests/test_moe.py (140 tests, 400 s); then tests/test_model.py
+#     tests/test_train_step.py (53 tests, 503 s).
 #
 # Each part has its own time limit (opening the chip costs ~15 s per program, and only one
 # program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt
