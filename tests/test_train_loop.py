@@ -167,23 +167,59 @@ def test_sigint_saves_a_checkpoint_and_resume_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(np.asarray(va[...]), np.asarray(vb[...]), err_msg=str(p))
 
 
-def _tensorboard_tags(directory) -> dict[str, list[int]]:
-    """Read TensorBoard event files (TFRecord framing + Event protos) -> {tag: [steps]}."""
+def _tensorboard_events(directory) -> list:
+    """Read TensorBoard event files (TFRecord framing + Event protos) -> their Events."""
     import struct
 
     from tensorboardX.proto.event_pb2 import Event
 
-    tags = {}
+    events = []
     for path in sorted(directory.glob("events.out.tfevents.*")):
         raw = path.read_bytes()
         at = 0
         while at < len(raw):
             (length,) = struct.unpack("<Q", raw[at:at + 8])
-            event = Event.FromString(raw[at + 12: at + 12 + length])
+            events.append(Event.FromString(raw[at + 12: at + 12 + length]))
             at += 12 + length + 4
-            for value in event.summary.value:
-                tags.setdefault(value.tag, []).append(event.step)
+    return events
+
+
+def _tensorboard_tags(directory) -> dict[str, list[int]]:
+    """{tag: [steps]} of a TensorBoard directory's scalars."""
+    tags = {}
+    for event in _tensorboard_events(directory):
+        for value in event.summary.value:
+            tags.setdefault(value.tag, []).append(event.step)
     return tags
+
+
+def test_tensorboard_writes_each_steps_scalars_as_one_event(tmp_path):
+    from moebalance.training.hooks import TensorBoard
+
+    layers = [{"layer": 0, "routing": "hash", "maxvio": 0.5, "variance": 2.0, "cv": 0.25},
+              {"layer": 1, "routing": "topk", "maxvio": 1.5, "variance": 8.0, "cv": 0.75,
+               "bias_std": 0.125}]
+    records = [{"step": 4, "loss": 7.5, "grad_norm": 0.5, "layers": layers},
+               {"step": 5, "loss": 7.25, "grad_norm": 0.25, "layers": layers,
+                "validation": {"loss": 7.0, "perplexity": 1096.5, "maxvio_global": [0.0, 0.75]}}]
+    hook = TensorBoard(RunDir(tmp_path / "run"))
+    hook.start(4, 6)
+    for record in records:
+        hook.step(record, None)
+    hook.close()
+    written = {event.step: {v.tag: v.simple_value for v in event.summary.value}
+               for event in _tensorboard_events(tmp_path / "run" / "tensorboard")
+               if event.summary.value}
+    per_layer = {"layer_00/maxvio": 0.5, "layer_00/variance": 2.0, "layer_00/cv": 0.25,
+                 "layer_01/maxvio": 1.5, "layer_01/variance": 8.0, "layer_01/cv": 0.75,
+                 "layer_01/bias_std": 0.125}
+    assert written == {
+        4: {"train/loss": 7.5, "train/grad_norm": 0.5, **per_layer},
+        5: {"train/loss": 7.25, "train/grad_norm": 0.25, **per_layer, "validation/loss": 7.0,
+            "validation/perplexity": 1096.5, "layer_00/maxvio_global": 0.0,
+            "layer_01/maxvio_global": 0.75}}
+    assert sum(bool(event.summary.value)
+               for event in _tensorboard_events(tmp_path / "run" / "tensorboard")) == 2
 
 
 def test_text_run_packs_documents_writes_tensorboard_evaluates_and_generates(tmp_path,

@@ -99,25 +99,33 @@ class TensorBoard(Hook):
         self.writer = SummaryWriter(str(self.directory), purge_step=first or None)
 
     def step(self, record, counts):
-        step = record["step"]
-        for key, value in record.items():
-            if key not in ("step", "layers", "validation"):
-                self.writer.add_scalar(f"train/{key}", value, step)
-        for row in record["layers"]:
-            for stat in ("maxvio", "variance", "cv", "rank_imbalance", "bias_std"):
-                if stat in row:
-                    self.writer.add_scalar(f"layer_{row['layer']:02d}/{stat}", row[stat], step)
+        scalars = [(f"train/{key}", value) for key, value in record.items()
+                   if key not in ("step", "layers", "validation")]
+        scalars += [(f"layer_{row['layer']:02d}/{stat}", row[stat]) for row in record["layers"]
+                    for stat in ("maxvio", "variance", "cv", "rank_imbalance", "bias_std")
+                    if stat in row]
         if "validation" in record:
             val = record["validation"]
-            self.writer.add_scalar("validation/loss", val["loss"], step)
-            self.writer.add_scalar("validation/perplexity", val["perplexity"], step)
-            for layer, value in enumerate(val["maxvio_global"]):
-                self.writer.add_scalar(f"layer_{layer:02d}/maxvio_global", value, step)
+            scalars += [("validation/loss", val["loss"]),
+                        ("validation/perplexity", val["perplexity"])]
+            scalars += [(f"layer_{layer:02d}/maxvio_global", value)
+                        for layer, value in enumerate(val["maxvio_global"])]
+        self.writer.file_writer.add_summary(merged_scalars(scalars), record["step"])
         self.writer.flush()
 
     def close(self):
         if self.writer is not None:
             self.writer.close()
+
+
+def merged_scalars(scalars: list[tuple[str, float]]):
+    """One TensorBoard Summary holding every (tag, value): a step's ~175 scalars (deepseek4-tiny)
+    as one event, not one each (SummaryWriter.add_scalar's 7,000 events took 3.1 of the A/B's
+    74 s under cProfile on a TPU v5e's host)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.summary import scalar
+
+    return Summary(value=[value for tag, x in scalars for value in scalar(tag, x).value])
 
 
 def mean_topk_maxvio(record: dict) -> float:
