@@ -44,3 +44,51 @@ def test_the_switch_alone_leaves_discovery_to_jax():
 def test_incomplete_or_bad_launch_fails_naming_the_variable(environ, message):
     with pytest.raises(ConfigError, match=message):
         distributed_settings(SMOKE, environ)
+
+
+def test_devices_open_on_their_own_thread_after_the_distributed_start(monkeypatch):
+    import threading
+
+    import jax
+
+    from moebalance.training import sharding
+
+    events, opened, go = [], threading.Event(), threading.Event()
+
+    def devices():
+        # the opening waits until the caller has gone on: it must not be waiting for it
+        events.append(("devices", threading.current_thread().name, go.wait(timeout=60)))
+        opened.set()
+
+    monkeypatch.setattr(sharding, "initialize_distributed",
+                        lambda cfg: events.append(("distributed", cfg.model_name)))
+    monkeypatch.setattr(jax, "devices", devices)
+    thread = sharding.open_devices_early(load_config("deepseek4-smoke"))
+    events.append(("caller went on", threading.current_thread().name))
+    go.set()
+    thread.join(timeout=60)
+    assert opened.is_set() and not thread.daemon
+    assert events == [("distributed", "deepseek4-smoke"), ("caller went on", "MainThread"),
+                      ("devices", "open-devices", True)]
+
+
+def test_a_failed_opening_is_left_to_the_callers_own_call(monkeypatch):
+    import threading
+
+    import jax
+
+    from moebalance.training import sharding
+
+    calls, unhandled = [], []
+
+    def devices():
+        calls.append(threading.current_thread().name)
+        raise RuntimeError("Unable to initialize backend 'tpu'")
+
+    monkeypatch.setattr(sharding, "initialize_distributed", lambda cfg: None)
+    monkeypatch.setattr(jax, "devices", devices)
+    monkeypatch.setattr(threading, "excepthook", unhandled.append)
+    sharding.open_devices_early(load_config("deepseek4-smoke")).join(timeout=60)
+    assert calls == ["open-devices"] and unhandled == []  # no thread traceback: the caller's
+    with pytest.raises(RuntimeError, match="backend 'tpu'"):  # own call raises it
+        jax.devices()

@@ -14,10 +14,14 @@ def _ab(args) -> int:
     from rich.console import Console
 
     from moebalance.config import load_config
-    from moebalance.experiment import ab
+    from moebalance.training.sharding import open_devices_early
 
-    ab(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-       resume=args.resume, console=Console(), progress=not args.quiet, verbose=args.verbose)
+    cfg = load_config(args.config, args.overrides)
+    open_devices_early(cfg)
+    from moebalance.experiment import ab  # imported while the devices open
+
+    ab(cfg, args.out, overwrite=args.overwrite, resume=args.resume, console=Console(),
+       progress=not args.quiet, verbose=args.verbose)
     tables = "" if args.verbose else " (-v prints them)"
     print(f"report written to {args.out}/report.html; the per-layer tables: "
           f"{args.out}/table.md{tables}")

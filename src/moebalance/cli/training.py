@@ -12,11 +12,15 @@ from moebalance.cli.options import config_command
 def _train(args) -> int:
     """Train a config into a run directory, showing progress and balance as it goes."""
     from moebalance.config import load_config
-    from moebalance.training.hooks import terminal
+    from moebalance.training.sharding import open_devices_early
+
+    cfg = load_config(args.config, args.overrides)
+    open_devices_early(cfg)
+    from moebalance.training.hooks import terminal  # imported while the devices open
     from moebalance.training.loop import train
 
-    train(load_config(args.config, args.overrides), args.out, overwrite=args.overwrite,
-          resume=args.resume, hooks=terminal(bar=not args.quiet))
+    train(cfg, args.out, overwrite=args.overwrite, resume=args.resume,
+          hooks=terminal(bar=not args.quiet))
     print(f"run written to {args.out}")
     return 0
 
