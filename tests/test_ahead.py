@@ -70,3 +70,25 @@ def test_a_run_compiles_its_steps_before_the_first_and_each_once(tmp_path, compi
     assert compiled.count("step") == 1
     for program in ("eval_step", "score_step"):  # earlier tests may have compiled these
         assert compiled.count(program) <= 1
+
+
+def test_a_run_on_a_chain_of_programs_compiles_each_before_the_first_step_and_once(
+        tmp_path, compile_log):
+    # step_programs=segments: deepseek4-smoke's 3 segments make 5 parts (the embedding, the
+    # segments, the head with its losses): 4 forward and 4 backward programs, the head's, one
+    # accumulation per part (2 micro-batches) and AdamW's; traced in turn, compiled side by side
+    cfg = load_config("deepseek4-smoke", dict(
+        steps=2, max_target_length=16, per_device_batch_size=2, seed=92,
+        gradient_accumulation_steps=2, step_programs="segments"))
+    before_first = []
+
+    class AtStart(Hook):
+        def start(self, first, steps):
+            before_first.extend(compilations(compile_log))
+
+    train(cfg, tmp_path / "run", hooks=[AtStart()])
+    expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1}
+    assert {name: before_first.count(name) for name in expected} == expected
+    compiled = compilations(compile_log)
+    assert {name: compiled.count(name) for name in expected} == expected
+    assert "step" not in compiled

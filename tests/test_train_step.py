@@ -65,6 +65,39 @@ def test_accumulated_step_equals_one_big_batch_and_updates_the_bias_from_every_m
     assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
 
 
+def test_the_chain_of_segment_programs_is_the_one_programs_step():
+    """step_programs=segments against the one program, one step from the same weights, on
+    everything a step's gradient goes through: 2 micro-batches, hash blocks, MTP (the embedding's
+    gradient from both ends), the sequence, global and z losses (the records' gradients), the
+    quantile bias. Metrics and the bias agree, counts exactly; AdamW's first moments, (1 - b1)
+    times the clipped gradient after one step, to float32 reassociation: the chain sums the
+    embedding's two gradients and the micro-batches' in another order than the one program."""
+    over = dict(gradient_accumulation_steps=2, mtp_num_layers=1, global_balance_loss_weight=1e-2,
+                router_z_loss_weight=1e-3, routed_bias_update_rule="quantile",
+                routed_bias_update_rate=0.5)
+    tokens, mask, seg = batch(2, 2, seed=3)
+    runs = []
+    for programs in ("one", "segments"):
+        cfg, model, opt = setup(step_programs=programs, **over)
+        metrics = jax.device_get(make_train_step(cfg, model)(model, opt, tokens, mask, seg))
+        moments = dict(nnx.to_flat_state(nnx.state(opt, nnx.OptState)))
+        runs.append((metrics, {path: np.asarray(v[...]) for path, v in moments.items()
+                               if "mu" in path}, np.asarray(get_biases(model))))
+    (one, mu_one, bias_one), (chain, mu_chain, bias_chain) = runs
+    assert len(mu_one) == len(mu_chain) > 100
+    assert set(one) == set(chain) >= {"ce", "mtp", "sequence_loss", "global_loss", "z_loss"}
+    for name in one:
+        if name == "counts":
+            np.testing.assert_array_equal(chain[name], one[name])
+        else:
+            np.testing.assert_allclose(chain[name], one[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    np.testing.assert_allclose(bias_chain, bias_one, rtol=1e-5, atol=1e-7)
+    scale = max(np.abs(mu).max() for mu in mu_one.values())
+    for path, mu in mu_one.items():
+        np.testing.assert_allclose(mu_chain[path], mu, rtol=1e-4, atol=1e-6 * scale,
+                                   err_msg=str(path))
+
+
 def test_bias_freezes_and_the_optimizer_never_moves_it():
     cfg, model, opt = setup(routed_bias_freeze_step=2)
     tokens, mask, seg = batch(1, 2)

@@ -22,6 +22,7 @@ EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (
 # (training/compiled.resolve_remat)
 REMAT_ORDER = ("none", "save_experts", "minimal", "full")
 REMAT_POLICIES = (*REMAT_ORDER, "auto")
+STEP_PROGRAMS = ("one", "segments")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")  # model/layers.matmul_precision
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
@@ -101,6 +102,10 @@ class Config:
                              "(+ the weight matmuls' outputs) | save_experts (+ the routed "
                              "experts' matmuls') | auto (the least recompute whose step, "
                              "compiled for the run's devices, fits their memory)")
+    step_programs: str = _key("one", "the training step as one program (one) | as a chain of "
+                              "programs per model segment, forward and backward, which XLA "
+                              "compiles side by side (segments: a model of several block kinds "
+                              "compiles sooner; each step then runs ~2 programs per segment)")
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")
@@ -218,6 +223,8 @@ def validate(c: Config) -> None:
     _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
     _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
              f"unknown policy {c.remat_policy!r}; choose one of {REMAT_POLICIES}")
+    _require(c.step_programs in STEP_PROGRAMS, "step_programs",
+             f"unknown value {c.step_programs!r}; choose one of {STEP_PROGRAMS}")
     _require(c.matmul_precision in MATMUL_PRECISIONS, "matmul_precision",
              f"unknown precision {c.matmul_precision!r}; choose one of {MATMUL_PRECISIONS}")
     _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")

@@ -276,16 +276,27 @@ class DeepSeekV4(nnx.Module):
 
     def _forward(self, tokens, positions, segment_ids, mask, mtp_tokens) -> ModelOutput:
         routing.check_token_ids(tokens, self.vocab_size)
+        positions, segment_ids = self.defaults(tokens, positions, segment_ids)
+        h = self.streams(tokens)
+        records = []
+        for seg in self.segments:
+            h, rec = run_segment(seg, h, tokens, positions, segment_ids, mask)
+            records.append(rec)
+        return self.outputs(h, records, positions, segment_ids, mask, mtp_tokens)
+
+    @staticmethod
+    def defaults(tokens, positions, segment_ids):
+        """The positions 0..S-1 and the one segment of [B, S] tokens where none are given."""
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s), (b, s))
         if segment_ids is None:
             segment_ids = jnp.zeros((b, s), jnp.int32)
-        h = self.streams(tokens)
-        records = []  # per segment, fields with a leading layer axis
-        for seg in self.segments:
-            h, rec = seg(h, tokens, positions, segment_ids, mask)
-            records.append(rec if isinstance(seg, Stack) else jax.tree.map(lambda x: x[None], rec))
+        return positions, segment_ids
+
+    def outputs(self, h, records, positions, segment_ids, mask, mtp_tokens) -> ModelOutput:
+        """The model's output from the last block's streams h [m, B, S, D] and each segment's
+        record (run_segment's): the head's, and the MTP layer's where mtp_tokens are given."""
         stacked = jax.tree.map(lambda *r: jnp.concatenate(r), *records)
         hidden = self.norm(self.hc_head(h))
         if self.mtp is None or mtp_tokens is None:  # inference and evaluation skip MTP
@@ -298,6 +309,13 @@ class DeepSeekV4(nnx.Module):
         mtp_hidden = mtp.norm(mtp.hc_head(hm))
         return ModelOutput(self.logits(hidden), stacked, self.logits(mtp_hidden), mtp_record,
                            hidden, mtp_hidden)
+
+
+def run_segment(seg: Block | Stack, h, tokens, positions, segment_ids, mask):
+    """One entry of DeepSeekV4.segments on the streams h [m, B, S, D] -> (h, its blocks' record
+    with a leading layer axis)."""
+    h, rec = seg(h, tokens, positions, segment_ids, mask)
+    return h, rec if isinstance(seg, Stack) else jax.tree.map(lambda x: x[None], rec)
 
 
 def placeholder_hash_tables(cfg: Config) -> list[np.ndarray]:

@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 
 
 @contextlib.contextmanager
-def compile_ahead(workers: int = 3):
+def compile_ahead(workers: int | None = None):
     """Yields `ahead(step, *args)`: lower `step` (a jitted step, or make_*_step's, which have
-    `.lower`) for these arguments now and compile it in the background. Leaving the block waits
-    for every compilation and raises the first error."""
-    with concurrent.futures.ThreadPoolExecutor(workers, "compile") as pool:
+    `.lower`, or, as a chain of programs, `.lower_programs(emit, *args)`) for these arguments now
+    and compile each program in the background as soon as it is lowered. Leaving the block waits
+    for every compilation and raises the first error. workers: compilations at once (default:
+    one per CPU core)."""
+    with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count(), "compile") as pool:
         pending = []
 
+        def emit(lowered):
+            pending.append(pool.submit(lowered.compile))
+
         def ahead(step, *args):
-            pending.append(pool.submit(step.lower(*args).compile))
+            if hasattr(step, "lower_programs"):
+                step.lower_programs(emit, *args)
+            else:
+                emit(step.lower(*args))
 
         yield ahead
         for future in pending:

@@ -13,19 +13,24 @@ blocks (DeepSeek applies alpha per layer); mode 'maxtext' averages them over blo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import types
+import typing
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from moebalance import balancing
 from moebalance.config import Config
-from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
+from moebalance.model.layers import precision_scope
+from moebalance.model.transformer import (DeepSeekV4, ModelOutput, get_biases, routed_layers,
+                                          run_segment, set_biases)
 from moebalance.training.cross_entropy import token_cross_entropy
 
 NO_DECAY = ("weight", "scale", "base", "attn_sink", "ape")  # norms, hc scales/biases, sinks
@@ -100,10 +105,18 @@ def losses(cfg: Config, model: DeepSeekV4, tokens, mask, segment_ids, routed, we
     config's weight is positive and weighted by `weights`.
 
     Every input token is routed, counted and balanced (the data has no padding)."""
+    mtp = tokens[:, 1:] if cfg.mtp_num_layers > 0 else None
+    out = model(tokens[:, :-1], segment_ids=segment_ids, mtp_tokens=mtp)
+    return loss_terms(cfg, model, out, tokens, mask, segment_ids, routed, weights)
+
+
+def loss_terms(cfg: Config, model: DeepSeekV4, out: ModelOutput, tokens, mask, segment_ids,
+               routed, weights=None):
+    """`losses` from the model's output `out` on tokens[:, :-1] (with the MTP part where the
+    config has one)."""
     weights = switches(cfg) if weights is None else weights
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    targets = tokens[:, 1:]
     mtp = cfg.mtp_num_layers > 0
-    out = model(inputs, segment_ids=segment_ids, mtp_tokens=targets if mtp else None)
     m = mask.astype(jnp.float32)
     aux = {"ce": _masked_ce(model, out.hidden, targets, m)}
     total = aux["ce"]
@@ -242,8 +255,18 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     `step.lower(model, optimizer, tokens, mask, segment_ids)` lowers it without running it."""
     program = program or cfg
     _check_switchable(cfg, program)
-    compiled = _train_step(program_key(program), tuple(routed_layers(model)), mesh)
+    routed = tuple(routed_layers(model))
     values = switches(cfg)
+    if program.step_programs == "segments":
+        chain = _segment_steps(program_key(program), routed, mesh)
+
+        def step(model, optimizer, tokens, mask, segment_ids):
+            return chain.run(model, optimizer, tokens, mask, segment_ids, values)
+
+        step.lower_programs = lambda emit, model, optimizer, *batch: chain.lower_programs(
+            emit, model, optimizer, *batch, values)
+        return step
+    compiled = _train_step(program_key(program), routed, mesh)
 
     def step(model, optimizer, tokens, mask, segment_ids):
         return compiled(model, optimizer, tokens, mask, segment_ids, values)
@@ -345,21 +368,204 @@ def _train_step(key: str, routed: tuple[int, ...], mesh):
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grads, loss), aux = jax.lax.scan(micro, (zeros, jnp.float32(0.0)),
                                           (tokens, mask, segment_ids))
-        micro_batches = tokens.shape[0]
-        grads = jax.tree.map(lambda g: g / micro_batches, grads)
-        counts = aux.pop("counts").sum(0)  # [L, E] exact int32 over the whole step
-        scores = aux.pop("scores", None)
-        metrics = {name: value.mean() for name, value in aux.items()}
-        metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
-                       lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
-        rate = values["bias"] * bias_rate_fraction(cfg, optimizer.step[...])
-        with jax.named_scope("optimizer"):
-            optimizer.update(model, grads)
-        with jax.named_scope("bias_update"):
-            update_biases(cfg, model, routed, counts, scores, rate, metrics)
-        return metrics
+        return apply_gradients(cfg, routed, model, optimizer, grads, loss, aux, values)
 
     return on_mesh(step, mesh)
+
+
+def apply_gradients(cfg: Config, routed, model, optimizer, grads, loss, aux, values) -> dict:
+    """The step after its micro-batches: grads and loss summed over them, aux their `losses`
+    terms stacked on a leading micro-batch axis A -> the step's metrics; AdamW on the mean
+    gradient, then the bias update, in place."""
+    micro_batches = aux["counts"].shape[0]
+    grads = jax.tree.map(lambda g: g / micro_batches, grads)
+    counts = aux.pop("counts").sum(0)  # [L, E] exact int32 over the whole step
+    scores = aux.pop("scores", None)
+    metrics = {name: value.mean() for name, value in aux.items()}
+    metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
+                   lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
+    rate = values["bias"] * bias_rate_fraction(cfg, optimizer.step[...])
+    with jax.named_scope("optimizer"):
+        optimizer.update(model, grads)
+    with jax.named_scope("bias_update"):
+        update_biases(cfg, model, routed, counts, scores, rate, metrics)
+    return metrics
+
+
+def _split_ints(tree):
+    """tree -> (its float arrays, its integer arrays), each with None in place of the others':
+    a program's integer outputs (the records' counts and choices) have no gradient, and passing
+    float0 cotangents between programs would make each call compile its program again."""
+    def is_int(x):
+        return not jnp.issubdtype(x.dtype, jnp.inexact)
+    return (jax.tree.map(lambda x: None if is_int(x) else x, tree),
+            jax.tree.map(lambda x: x if is_int(x) else None, tree))
+
+
+def _join(floats, ints):
+    """The inverse of _split_ints."""
+    return jax.tree.map(lambda f, i: i if f is None else f, floats, ints,
+                        is_leaf=lambda x: x is None)
+
+
+class _SegmentSteps(typing.NamedTuple):
+    run: typing.Callable  # (model, optimizer, tokens, mask, segment_ids, values) -> metrics
+    lower_programs: typing.Callable  # (emit, the same arguments or their shapes): emit(Lowered)
+
+
+@functools.cache
+def _segment_steps(key: str, routed: tuple[int, ...], mesh) -> _SegmentSteps:
+    """_train_step's step as a chain of programs (`step_programs: segments`). Per micro-batch,
+    the embedding and each entry of model.segments run forward as programs of their own, each
+    returning its output and its backward (jax.vjp's, with the residuals); one program computes
+    the outputs, the losses and their gradient from the last streams and every segment's record;
+    the backward programs run in reverse from there; one last program applies AdamW and the bias
+    update (apply_gradients). The same gradients as the one program, which the chain only cuts
+    where each segment ends: XLA compiles ~2 programs per segment, side by side
+    (ahead.compile_ahead), instead of one program holding every block kind, forward and
+    backward, in turn."""
+    cfg = Config(**json.loads(key))
+    routed = list(routed)
+
+    def parts_of(model):
+        """Each program's part (kind, segment, the indices of the parameter states it
+        differentiates) and nnx.split's filters of those states (one per part, in order)."""
+        last = len(model.segments) + 1
+        parts = [("embed", None, (0,))]
+        filters = [nnx.All(nnx.Param, lambda path, _: path == ("embed",))]
+        for i in range(len(model.segments)):
+            parts.append(("segment", i, (i + 1,)))
+            filters.append(nnx.All(nnx.Param, lambda path, _, i=i: path[:2] == ("segments", i)))
+        # the head's: every parameter outside the segments, and the embedding where MTP reads it
+        parts.append(("head", None, (0, last) if cfg.mtp_num_layers > 0 else (last,)))
+        filters.append(nnx.All(nnx.Param, lambda path, _: path[0] != "segments"))
+        return parts, filters
+
+    def run_part(part, model, carry, batch):
+        tokens, mask, segment_ids, values, a = batch
+        tokens, mask, segment_ids = tokens[a], mask[a], segment_ids[a]
+        inputs = tokens[:, :-1]
+        positions, _ = model.defaults(inputs, None, segment_ids)
+        kind, i, _ = part
+        if kind == "embed":
+            return model.streams(inputs)
+        if kind == "segment":
+            return run_segment(model.segments[i], carry, inputs, positions, segment_ids, None)
+        h, records = carry
+        out = model.outputs(h, records, positions, segment_ids, None,
+                            tokens[:, 1:] if cfg.mtp_num_layers > 0 else None)
+        return loss_terms(cfg, model, out, tokens, mask, segment_ids, routed, values)
+
+    def differentiable(part, graphdef, states, batch):
+        """The part as a function of its parameters (the states it differentiates) and input."""
+        def fn(chosen, carry):
+            merged = list(states)
+            for index, state in zip(part[2], chosen):
+                merged[index] = state
+            model = nnx.merge(graphdef, *merged)
+            with precision_scope(model.matmul_precision):
+                return run_part(part, model, carry, batch)
+        return fn, tuple(states[index] for index in part[2])
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def forward(part, graphdef, states, carry, batch):
+        """-> (the part's output, its backward: the cotangent of the output's float arrays (None
+        for the integer ones) -> (parameter grads, input grad))."""
+        fn, chosen = differentiable(part, graphdef, states, batch)
+        floats, backward, ints = jax.vjp(lambda *a: _split_ints(fn(*a)), chosen, carry,
+                                         has_aux=True)
+        return _join(floats, ints), backward
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def head(part, graphdef, states, carry, batch):
+        """-> (loss, aux, its parameters' grads, (grad of the last streams, of each record's
+        float arrays))."""
+        fn, chosen = differentiable(part, graphdef, states, batch)
+        floats, ints = _split_ints(carry)
+        loss, backward, aux = jax.vjp(lambda chosen, floats: fn(chosen, _join(floats, ints)),
+                                      chosen, floats, has_aux=True)
+        return loss, aux, *backward(jnp.ones_like(loss))
+
+    @jax.jit
+    def backward(vjp, cotangent):
+        return vjp(cotangent)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def accumulate(total, grads):
+        return jax.tree.map(jnp.add, total, grads)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def apply(model, optimizer, grads, loss, aux, values):
+        by_path = {}  # every part's gradients, summed where parts share a parameter (embedding)
+        for part_grads in grads:
+            for state in part_grads:
+                for path, value in nnx.to_flat_state(state):
+                    by_path[path] = jax.tree.map(jnp.add, by_path[path], value) if (
+                        path in by_path) else value
+        grads = nnx.from_flat_state(by_path)
+        aux = jax.tree.map(lambda *x: jnp.stack(x), *aux)
+        return apply_gradients(cfg, routed, model, optimizer, grads, sum(loss), aux, values)
+
+    def chain(call, model, optimizer, tokens, mask, segment_ids, values):
+        """The step's programs in order, each through call(program, *args) -> its outputs
+        (running it, or tracing it for their shapes)."""
+        parts, filters = parts_of(model)
+        graphdef, *states = nnx.split(model, *filters, ...)
+        states, last = tuple(states), len(parts) - 1
+        grads, losses_, auxes = [None] * len(parts), [], []
+        for a in range(tokens.shape[0]):
+            batch = (tokens, mask, segment_ids, values, np.int32(a))
+            carry, backwards, records = None, [], []
+            for part in parts[:-1]:
+                out, vjp = call(forward, part, graphdef, states, carry, batch)
+                backwards.append(vjp)
+                carry = out if part[0] == "embed" else out[0]
+                if part[0] == "segment":
+                    records.append(out[1])
+            loss, aux, g_part, (g_h, g_records) = call(
+                head, parts[last], graphdef, states, (carry, records), batch)
+            losses_.append(loss)
+            auxes.append(aux)
+            grads[last] = g_part if a == 0 else call(accumulate, grads[last], g_part)
+            for j in reversed(range(last)):
+                cotangent = g_h if j == 0 else (g_h, g_records[j - 1])
+                g_part, g_h = call(backward, backwards[j], cotangent)
+                grads[j] = g_part if a == 0 else call(accumulate, grads[j], g_part)
+        return call(apply, model, optimizer, grads, losses_, auxes, values)
+
+    def on_mesh():
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+    def run(*args):
+        with on_mesh():
+            return chain(lambda program, *a: program(*a), *args)
+
+    def lower_programs(emit, *args):
+        """Each program lowered for the shapes of its inputs, the earlier ones' outputs. On one
+        device they are that device's whole arrays: emit(lowered) compiles each in the
+        background. On several, XLA chooses the outputs' layouts as it compiles: each program is
+        compiled before the next is traced."""
+        def trace(program, *a):
+            with on_mesh():
+                traced = program.trace(*a)
+                lowered = traced.lower()
+            if mesh is not None and mesh.size > 1:
+                compiled = lowered.compile()
+                return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(
+                    out.shape, out.dtype, sharding=sharding), traced.out_info,
+                    compiled.output_shardings)
+            emit(lowered)
+            if mesh is None:
+                return traced.out_info
+            whole = jax.sharding.NamedSharding(  # as a program's outputs are placed
+                mesh, jax.sharding.PartitionSpec(),
+                memory_kind=mesh.devices.flat[0].default_memory().kind)
+            return jax.tree.map(lambda out: out if out.dtype == jax.dtypes.float0 else (
+                jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=whole)), traced.out_info)
+
+        chain(trace, *args)
+
+    return _SegmentSteps(run, lower_programs)
 
 
 def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, metrics):
