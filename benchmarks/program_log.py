@@ -1,8 +1,9 @@
 """Where a moebalance command's start-up time goes, program by program: run the command in this
 process with JAX's own timing log lines captured (DEBUG level, so nothing else changes), and
 print one JSON object: the wall time, and per phase (tracing, lowering to MLIR, XLA compilation or
-a load from the persistent cache) the total and the slowest programs, each with the time since
-the command's start at which its first such event ended.
+a load from the persistent cache) the total and the slowest programs by name (a name's count,
+total, longest, and the times since the command's start at which its first and last such
+events ended).
 
     python3 benchmarks/program_log.py [--json FILE] [--top N] -- ab deepseek4-tiny --out /tmp/ab
 
@@ -59,17 +60,18 @@ def summary(events, hits, wall_s: float, top: int) -> dict:
     out = {"wall_s": round(wall_s, 1), "cache_hits": sum(hits.values()), "phases": {}}
     for phase in dict.fromkeys(PHASES.values()):
         rows = [(name, s, end) for p, name, s, end in events if p == phase]
-        per_name = collections.defaultdict(lambda: [0, 0.0, None])
+        per_name = collections.defaultdict(list)
         for name, s, end in rows:
-            per_name[name][0] += 1
-            per_name[name][1] += s
-            per_name[name][2] = per_name[name][2] or end
-        slowest = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:top]
+            per_name[name].append((s, end))
+        slowest = sorted(per_name.items(), key=lambda kv: -sum(s for s, _ in kv[1]))[:top]
         out["phases"][phase] = {
             "count": len(rows),
             **({} if phase == "trace" else {"total_s": round(sum(s for _, s, _ in rows), 2)}),
-            "slowest": [{"program": name, "count": n, "s": round(s, 2),
-                         "first_ended_at": round(end, 1)} for name, (n, s, end) in slowest]}
+            "slowest": [{"program": name, "count": len(each),
+                         "s": round(sum(s for s, _ in each), 2),
+                         "longest_s": round(max(s for s, _ in each), 2),
+                         "first_ended_at": round(each[0][1], 1),
+                         "last_ended_at": round(each[-1][1], 1)} for name, each in slowest]}
     return out
 
 

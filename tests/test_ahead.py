@@ -76,10 +76,13 @@ def test_a_run_on_a_chain_of_programs_compiles_each_before_the_first_step_and_on
         tmp_path, compile_log):
     # step_programs=segments: deepseek4-smoke's 3 segments make 5 parts (the embedding, the
     # segments, the head with its losses): 4 forward and 4 backward programs, the head's, one
-    # accumulation per part (2 micro-batches) and AdamW's; traced in turn, compiled side by side
+    # accumulation per part (2 micro-batches) and AdamW's; evaluation and scoring share 4
+    # forward-only programs (infer) and have one each of their own; traced in turn, compiled
+    # side by side
     cfg = load_config("deepseek4-smoke", dict(
         steps=2, max_target_length=16, per_device_batch_size=2, seed=92,
-        gradient_accumulation_steps=2, step_programs="segments"))
+        gradient_accumulation_steps=2, step_programs="segments",
+        routed_bias_calibration_batches=1, probe_refit_batches=1))
     before_first = []
 
     class AtStart(Hook):
@@ -87,8 +90,9 @@ def test_a_run_on_a_chain_of_programs_compiles_each_before_the_first_step_and_on
             before_first.extend(compilations(compile_log))
 
     train(cfg, tmp_path / "run", hooks=[AtStart()])
-    expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1}
+    expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1, "infer": 4,
+                "evaluate": 1, "score": 1}
     assert {name: before_first.count(name) for name in expected} == expected
     compiled = compilations(compile_log)
     assert {name: compiled.count(name) for name in expected} == expected
-    assert "step" not in compiled
+    assert not {"step", "eval_step", "score_step"} & set(compiled)

@@ -269,6 +269,8 @@ def test_program_log_reads_jaxs_timing_lines_and_sums_each_phase():
     assert "total_s" not in out["phases"]["trace"]  # nested traces are inside their parent's
     assert out["phases"]["compile"] == {
         "count": 3, "total_s": 40.75,
-        "slowest": [{"program": "jit(step)", "count": 1, "s": 40.0, "first_ended_at": 47.5}]}
+        "slowest": [{"program": "jit(step)", "count": 1, "s": 40.0, "longest_s": 40.0,
+                     "first_ended_at": 47.5, "last_ended_at": 47.5}]}
     add = program_log.summary(events, recorder.hits, 60.0, top=2)["phases"]["compile"]["slowest"]
-    assert add[1] == {"program": "jit(add)", "count": 2, "s": 0.75, "first_ended_at": 1.0}
+    assert add[1] == {"program": "jit(add)", "count": 2, "s": 0.75, "longest_s": 0.5,
+                      "first_ended_at": 1.0, "last_ended_at": 48.0}

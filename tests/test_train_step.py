@@ -9,7 +9,7 @@ from conftest import tolerance
 from moebalance.config import load_config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
 from moebalance.training.step import (decay_mask, make_eval_step, make_optimizer,
-                                      make_train_step, new_optimizer)
+                                      make_score_step, make_train_step, new_optimizer)
 
 BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
             routed_bias_update_rate=1e-2)
@@ -96,6 +96,26 @@ def test_the_chain_of_segment_programs_is_the_one_programs_step():
     for path, mu in mu_one.items():
         np.testing.assert_allclose(mu_chain[path], mu, rtol=1e-4, atol=1e-6 * scale,
                                    err_msg=str(path))
+
+
+def test_the_chains_evaluation_and_scores_are_the_one_programs():
+    """step_programs=segments: the evaluation step's cross-entropy sum and counts, and the score
+    step's top-k scores, from the forward cut into programs per segment, against the one-program
+    steps on the same weights (bias included) and batch."""
+    tokens, mask, seg = (x[0] for x in batch(1, 2, seed=5))
+    out = {}
+    for programs in ("one", "segments"):
+        cfg, model, _ = setup(step_programs=programs)
+        model.segments[1].ffn.bias[...] = jnp.linspace(-0.1, 0.1, cfg.num_experts)
+        evaluation = jax.device_get(make_eval_step(cfg, model)(model, tokens, mask, seg))
+        scores = np.asarray(make_score_step(cfg, model)(model, tokens, seg))
+        out[programs] = evaluation, scores
+    (one, scores_one), (chain, scores_chain) = out["one"], out["segments"]
+    np.testing.assert_array_equal(chain["counts"], one["counts"])
+    assert chain["tokens"] == one["tokens"] == 2 * 16
+    np.testing.assert_allclose(chain["ce_sum"], one["ce_sum"], rtol=1e-6)
+    assert scores_one.shape == (2, 2 * 16, 8)  # the two top-k blocks
+    np.testing.assert_allclose(scores_chain, scores_one, rtol=1e-6, atol=1e-7)
 
 
 def test_bias_freezes_and_the_optimizer_never_moves_it():

@@ -207,7 +207,10 @@ def bind_model(step, model):
     nnx.cached_partial, for loops that call it many times: each call then skips walking the
     model's graph (a call of deepseek4-tiny's evaluation step returned after 7.4 ms instead of 33
     on a 2-core CPU). The model's values may change between calls (the biases do), not its
-    structure."""
+    structure. A chain of programs (step_programs: segments) splits the model once per call
+    either way: it is bound as it is."""
+    if hasattr(step, "lower_programs"):
+        return functools.partial(step, model)
     if not hasattr(step, "mesh"):  # no mesh: the jitted function itself
         return nnx.cached_partial(step, model)
     return on_mesh(nnx.cached_partial(step.__wrapped__, model), step.mesh)
@@ -261,10 +264,9 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
         chain = _segment_steps(program_key(program), routed, mesh)
 
         def step(model, optimizer, tokens, mask, segment_ids):
-            return chain.run(model, optimizer, tokens, mask, segment_ids, values)
+            return chain(model, optimizer, tokens, mask, segment_ids, values)
 
-        step.lower_programs = lambda emit, model, optimizer, *batch: chain.lower_programs(
-            emit, model, optimizer, *batch, values)
+        step.lower_programs = lambda emit, *args: chain.lower_programs(emit, *args, values)
         return step
     compiled = _train_step(program_key(program), routed, mesh)
 
@@ -408,13 +410,53 @@ def _join(floats, ints):
                         is_leaf=lambda x: x is None)
 
 
-class _SegmentSteps(typing.NamedTuple):
-    run: typing.Callable  # (model, optimizer, tokens, mask, segment_ids, values) -> metrics
-    lower_programs: typing.Callable  # (emit, the same arguments or their shapes): emit(Lowered)
+def _mesh_set(mesh):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def _call(program, *args):
+    return program(*args)
+
+
+def _lowering(mesh, emit):
+    """A chain's `call` that lowers each program for the shapes of its inputs, the earlier
+    programs' outputs, and returns its outputs' shapes. On one device they are that device's
+    whole arrays: emit(lowered) compiles each in the background. On several, XLA chooses the
+    outputs' layouts as it compiles: each program is compiled before the next is traced."""
+    def trace(program, *args):
+        with _mesh_set(mesh):
+            traced = program.trace(*args)
+            lowered = traced.lower()
+        if mesh is not None and mesh.size > 1:
+            compiled = lowered.compile()
+            return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(
+                out.shape, out.dtype, sharding=sharding), traced.out_info,
+                compiled.output_shardings)
+        emit(lowered)
+        if mesh is None:
+            return traced.out_info
+        whole = jax.sharding.NamedSharding(  # as a program's outputs are placed
+            mesh, jax.sharding.PartitionSpec(),
+            memory_kind=mesh.devices.flat[0].default_memory().kind)
+        return jax.tree.map(lambda out: out if out.dtype == jax.dtypes.float0 else (
+            jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=whole)), traced.out_info)
+    return trace
+
+
+def _chain_step(chain, mesh):
+    """chain(call, *args), which runs its programs in order through call(program, *its args)
+    and returns the last one's outputs, as a step: step(*args) runs them,
+    step.lower_programs(emit, *args) lowers each for ahead.compile_ahead."""
+    def step(*args):
+        with _mesh_set(mesh):
+            return chain(_call, *args)
+
+    step.lower_programs = lambda emit, *args: chain(_lowering(mesh, emit), *args)
+    return step
 
 
 @functools.cache
-def _segment_steps(key: str, routed: tuple[int, ...], mesh) -> _SegmentSteps:
+def _segment_steps(key: str, routed: tuple[int, ...], mesh):
     """_train_step's step as a chain of programs (`step_programs: segments`). Per micro-batch,
     the embedding and each entry of model.segments run forward as programs of their own, each
     returning its output and its backward (jax.vjp's, with the residuals); one program computes
@@ -533,39 +575,7 @@ def _segment_steps(key: str, routed: tuple[int, ...], mesh) -> _SegmentSteps:
                 grads[j] = g_part if a == 0 else call(accumulate, grads[j], g_part)
         return call(apply, model, optimizer, grads, losses_, auxes, values)
 
-    def on_mesh():
-        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-    def run(*args):
-        with on_mesh():
-            return chain(lambda program, *a: program(*a), *args)
-
-    def lower_programs(emit, *args):
-        """Each program lowered for the shapes of its inputs, the earlier ones' outputs. On one
-        device they are that device's whole arrays: emit(lowered) compiles each in the
-        background. On several, XLA chooses the outputs' layouts as it compiles: each program is
-        compiled before the next is traced."""
-        def trace(program, *a):
-            with on_mesh():
-                traced = program.trace(*a)
-                lowered = traced.lower()
-            if mesh is not None and mesh.size > 1:
-                compiled = lowered.compile()
-                return jax.tree.map(lambda out, sharding: jax.ShapeDtypeStruct(
-                    out.shape, out.dtype, sharding=sharding), traced.out_info,
-                    compiled.output_shardings)
-            emit(lowered)
-            if mesh is None:
-                return traced.out_info
-            whole = jax.sharding.NamedSharding(  # as a program's outputs are placed
-                mesh, jax.sharding.PartitionSpec(),
-                memory_kind=mesh.devices.flat[0].default_memory().kind)
-            return jax.tree.map(lambda out: out if out.dtype == jax.dtypes.float0 else (
-                jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=whole)), traced.out_info)
-
-        chain(trace, *args)
-
-    return _SegmentSteps(run, lower_programs)
+    return _chain_step(chain, mesh)
 
 
 def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, metrics):
@@ -585,7 +595,10 @@ def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, 
 
 def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], mask [B, S], segment_ids [B, S]) -> {ce_sum, tokens,
-    counts}; never touches the bias. One per mesh, so models of one layout share its compilation."""
+    counts}; never touches the bias. One per mesh, so models of one layout share its compilation;
+    with `step_programs: segments` a chain of programs (_inference_chain)."""
+    if cfg.step_programs == "segments":
+        return _inference_chain(mesh).eval_step
     return _eval_step(mesh)
 
 
@@ -603,8 +616,12 @@ def _eval_step(mesh):
 
 def make_score_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], segment_ids [B, S]) -> [L_routed, B*S, E] float32 unbiased
-    router scores of the top-k blocks (their selection used the current biases)."""
-    return _score_step(tuple(routed_layers(model)), cfg.num_experts, mesh)
+    router scores of the top-k blocks (their selection used the current biases); with
+    `step_programs: segments` a chain of programs (_inference_chain)."""
+    routed = tuple(routed_layers(model))
+    if cfg.step_programs == "segments":
+        return _inference_chain(mesh).score_step(routed, cfg.num_experts)
+    return _score_step(routed, cfg.num_experts, mesh)
 
 
 @functools.cache
@@ -617,3 +634,64 @@ def _score_step(routed: tuple[int, ...], num_experts: int, mesh):
         return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
 
     return on_mesh(score_step, mesh)
+
+
+class _InferenceChain(typing.NamedTuple):
+    eval_step: typing.Callable  # make_eval_step's step
+    score_step: typing.Callable  # (routed, num_experts) -> make_score_step's step
+
+
+@functools.cache
+def _inference_chain(mesh) -> _InferenceChain:
+    """make_eval_step's and make_score_step's steps as chains of programs (`step_programs:
+    segments`, _chain_step): the model's forward cut as _segment_steps cuts it, the embedding's
+    program then one per segment, shared by both steps, then a small program of each's own (the
+    cross-entropy and counts; the top-k blocks' scores). No program holds the whole model."""
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def infer(segment, graphdef, state, carry, tokens, segment_ids):
+        """The embedding (segment None) or one segment -> its output."""
+        model = nnx.merge(graphdef, state)
+        inputs = tokens[:, :-1]
+        with precision_scope(model.matmul_precision):
+            if segment is None:
+                return model.streams(inputs)
+            positions, _ = model.defaults(inputs, None, segment_ids)
+            return run_segment(model.segments[segment], carry, inputs, positions, segment_ids,
+                               None)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def evaluate(graphdef, state, h, records, tokens, mask, segment_ids):
+        model = nnx.merge(graphdef, state)
+        positions, _ = model.defaults(tokens[:, :-1], None, segment_ids)
+        with precision_scope(model.matmul_precision):
+            out = model.outputs(h, records, positions, segment_ids, None, None)
+        ce = token_ce(model, out.hidden, tokens[:, 1:])
+        m = mask.astype(jnp.float32)
+        return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+
+    @functools.partial(jax.jit, static_argnums=(0, 1))
+    def score(routed, num_experts, records):
+        scores = jnp.concatenate([record.scores for record in records])[np.asarray(routed)]
+        return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
+
+    def trunk(call, model, tokens, segment_ids):
+        """-> (graphdef, state, the last streams, each segment's record)."""
+        graphdef, state = nnx.split(model)
+        h = call(infer, None, graphdef, state, None, tokens, segment_ids)
+        records = []
+        for segment in range(len(model.segments)):
+            h, record = call(infer, segment, graphdef, state, h, tokens, segment_ids)
+            records.append(record)
+        return graphdef, state, h, records
+
+    def evaluation(call, model, tokens, mask, segment_ids):
+        graphdef, state, h, records = trunk(call, model, tokens, segment_ids)
+        return call(evaluate, graphdef, state, h, records, tokens, mask, segment_ids)
+
+    def scoring(routed, num_experts):
+        def chain(call, model, tokens, segment_ids):
+            return call(score, routed, num_experts, trunk(call, model, tokens, segment_ids)[3])
+        return _chain_step(chain, mesh)
+
+    return _InferenceChain(_chain_step(evaluation, mesh), scoring)
