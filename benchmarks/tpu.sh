@@ -44,9 +44,11 @@
 #     (e.g. `d1024 4 2 remat_policy=minimal`: 16,384 tokens a step as 2 x (4 x 2048));
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
-#   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile: $OUT/ab.prof, abprofile.txt;
+#   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile (AB_OVERRIDES as for `ab`):
+#     $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
-#     README.md shows them, the last three on the A/B's Run B (`ab` first, or here), each a part;
+#     README.md shows them, the last three on the A/B's Run B (that `ab` left in /tmp/ab on the
+#     machine, or made here), each a part;
 #   bash benchmarks/tpu.sh study [ARGS...]  issue 42's run: `moebalance study deepseek4-study ARGS`
 #     (default: three arms of 2,000 steps) into /tmp/study, stopped by SIGINT after $STUDY_LIMIT
 #     seconds (default 540) with a checkpoint, which the same call on the still-warm machine
@@ -207,15 +209,15 @@ abprofile)
     # where the A/B's time goes on the chip: the same command under cProfile (after `ab`, so with
     # its caches warm), its 60 largest cumulative times in $OUT/abprofile.txt
     part 300 abprofile python3 -m cProfile -o "$OUT/ab.prof" -m moebalance.cli ab deepseek4-tiny \
-        --out "$OUT/abprofile"
+        ${AB_OVERRIDES:-} --out "$OUT/abprofile"
     python3 -c "import pstats, sys; (pstats.Stats(sys.argv[1], stream=open(sys.argv[2], 'w'))
                 .sort_stats('cumulative').print_stats(60))" "$OUT/ab.prof" "$OUT/abprofile.txt"
     rm -rf "$OUT/abprofile"
     ;;
 cli)
     # the commands of README.md's table on the A/B's Run B (`ab` first, or here)
-    run=$OUT/ab/run_b
-    [ -d "$run" ] || part 300 ab python3 -m moebalance.cli ab deepseek4-tiny --out "$OUT/ab"
+    run=/tmp/ab/run_b
+    [ -d "$run" ] || part 300 ab python3 -m moebalance.cli ab deepseek4-tiny --out /tmp/ab
     part 150 train python3 -m moebalance.cli train deepseek4-smoke steps=20 --out "$OUT/smoke"
     part 100 eval python3 -m moebalance.cli eval "$run"
     part 120 generate python3 -m moebalance.cli generate "$run" --prompt "def parse(" \
@@ -241,7 +243,7 @@ ab)
     # back from the device: the table and Run B's steps (their times), not the runs' folders
     cp "$OUT/ab/table.json" "$OUT/table.json"
     cp "$OUT/ab/run_b/metrics.jsonl" "$OUT/metrics-b.jsonl"
-    rm -rf "$OUT/ab"
+    rm -rf /tmp/ab && mv "$OUT/ab" /tmp/ab  # kept on the machine for `cli`
     ;;
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
