@@ -1,3 +1,5 @@
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import reference as ref
 from conftest import tolerance
 from moebalance.config import load_config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
-from moebalance.training.step import (decay_mask, make_eval_step, make_optimizer,
+from moebalance.training.step import (chained, decay_mask, make_eval_step, make_optimizer,
                                       make_score_step, make_train_step, new_optimizer)
 
 BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
@@ -116,6 +118,17 @@ def test_the_chains_evaluation_and_scores_are_the_one_programs():
     np.testing.assert_allclose(chain["ce_sum"], one["ce_sum"], rtol=1e-6)
     assert scores_one.shape == (2, 2 * 16, 8)  # the two top-k blocks
     np.testing.assert_allclose(scores_chain, scores_one, rtol=1e-6, atol=1e-7)
+
+
+def test_step_programs_auto_chains_the_steps_on_a_tpu_only():
+    def mesh_of(platform):
+        return types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform=platform)]))
+
+    auto, one = (load_config("deepseek4-smoke", dict(step_programs=v)) for v in ("auto", "one"))
+    assert chained(auto, mesh_of("tpu")) and not chained(one, mesh_of("tpu"))
+    assert not chained(auto, mesh_of("cpu")) and not chained(auto, mesh_of("gpu"))
+    assert not chained(auto)  # these tests' devices: the CPU
+    assert chained(load_config("deepseek4-smoke", dict(step_programs="segments")))
 
 
 def test_bias_freezes_and_the_optimizer_never_moves_it():

@@ -22,7 +22,7 @@ EXPERT_KERNELS = ("auto", "xla", "megablox", "pallas")  # the experts' matmuls (
 # (training/compiled.resolve_remat)
 REMAT_ORDER = ("none", "save_experts", "minimal", "full")
 REMAT_POLICIES = (*REMAT_ORDER, "auto")
-STEP_PROGRAMS = ("one", "segments")
+STEP_PROGRAMS = ("one", "segments", "auto")
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")  # model/layers.matmul_precision
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
@@ -105,7 +105,8 @@ class Config:
     step_programs: str = _key("one", "the training step as one program (one) | as a chain of "
                               "programs per model segment, forward and backward, which XLA "
                               "compiles side by side (segments: a model of several block kinds "
-                              "compiles sooner; each step then runs ~2 programs per segment)")
+                              "compiles sooner; each step then runs ~2 programs per segment) | "
+                              "auto (segments on a TPU, else one)")
     max_target_length: int = _key(256, "training sequence length S")
     # --- load balancing (applied by the trainer) ---
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")

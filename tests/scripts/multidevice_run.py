@@ -2,7 +2,7 @@
 and meshes, one after another in this process (its CPU devices set by XLA_FLAGS before JAX
 starts; a run on n devices uses the first n), and dump for each its counts, biases, losses and
 the router and output logits of the trained model on the first batch, and how many programs the
-steps after the first compiled.
+steps compiled after the step was compiled ahead (ahead.compile_ahead, as the trainer does).
 
 Usage: multidevice_run.py OUT_DIR RUN ...; RUN is DEVICES[:KEY=VALUE,...] (config overrides, e.g.
 the mesh's `ici_*` keys); run i is written to OUT_DIR/i.npz."""
@@ -20,6 +20,7 @@ from moebalance.config import load_config
 from moebalance.data import batches
 from moebalance.model.transformer import get_biases
 from moebalance.training import sharding
+from moebalance.training.ahead import compile_ahead
 from moebalance.training.loop import build
 from moebalance.training.step import make_train_step, on_mesh
 
@@ -38,14 +39,15 @@ def run(out: Path, devices: int, *overrides: str):
     data = batches(cfg, global_batch=GLOBAL_BATCH)
     model, optimizer = build(cfg, mesh, train_data=data)
     step = make_train_step(cfg, model, mesh)
+    with compile_ahead() as ahead:  # as the trainer does, before its first step
+        ahead(step, model, optimizer, *sharding.global_batch(mesh, *data.batch(0)))
+    compiled_before = len(COMPILES)
     results = {"counts": [], "loss": [], "grad_norm": []}
     for i in range(3):
-        if i == 1:
-            compiled_before = len(COMPILES)
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
-    compiles_after_first = len(COMPILES) - compiled_before  # the forward below compiles more
+    compiles_in_the_steps = len(COMPILES) - compiled_before  # the forward below compiles more
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -60,7 +62,7 @@ def run(out: Path, devices: int, *overrides: str):
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
              router_logits=router_logits, embed=np.asarray(embed),
-             compiles_after_the_first_step=compiles_after_first,
+             compiles_in_the_steps=compiles_in_the_steps,
              **{k: np.stack(v) for k, v in results.items()})
 
 

@@ -245,6 +245,16 @@ def program_key(program: Config) -> str:
         _uses_bias(program)), **on))
 
 
+def chained(cfg: Config, mesh=None) -> bool:
+    """Whether the config's steps run as chains of programs per model segment (`step_programs`:
+    segments, or auto on a TPU, where XLA compiled deepseek4-tiny's one training program in 70-72 s
+    on one of the host's cores; on a 2-core CPU its A/B took 269 s with one program against 285)."""
+    if cfg.step_programs == "auto":
+        devices = mesh.devices.flat if mesh is not None else jax.devices()
+        return devices[0].platform == "tpu"
+    return cfg.step_programs == "segments"
+
+
 def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config | None = None):
     """-> step(model, optimizer, tokens [A, B, S+1], mask [A, B, S], segment_ids [A, B, S])
     returning a dict of metrics (scalars, `counts` [L, E] int32, `bias` [L_routed, E]).
@@ -260,7 +270,7 @@ def make_train_step(cfg: Config, model: DeepSeekV4, mesh=None, program: Config |
     _check_switchable(cfg, program)
     routed = tuple(routed_layers(model))
     values = switches(cfg)
-    if program.step_programs == "segments":
+    if chained(program, mesh):
         chain = _segment_steps(program_key(program), routed, mesh)
 
         def step(model, optimizer, tokens, mask, segment_ids):
@@ -597,7 +607,7 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     """-> step(model, tokens [B, S+1], mask [B, S], segment_ids [B, S]) -> {ce_sum, tokens,
     counts}; never touches the bias. One per mesh, so models of one layout share its compilation;
     with `step_programs: segments` a chain of programs (_inference_chain)."""
-    if cfg.step_programs == "segments":
+    if chained(cfg, mesh):
         return _inference_chain(mesh).eval_step
     return _eval_step(mesh)
 
@@ -619,7 +629,7 @@ def make_score_step(cfg: Config, model: DeepSeekV4, mesh=None):
     router scores of the top-k blocks (their selection used the current biases); with
     `step_programs: segments` a chain of programs (_inference_chain)."""
     routed = tuple(routed_layers(model))
-    if cfg.step_programs == "segments":
+    if chained(cfg, mesh):
         return _inference_chain(mesh).score_step(routed, cfg.num_experts)
     return _score_step(routed, cfg.num_experts, mesh)
 
