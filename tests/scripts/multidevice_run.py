@@ -1,13 +1,16 @@
 """Helper for test_sharding: train 3 steps of a small config on each of the given device counts
 and meshes, one after another in this process (its CPU devices set by XLA_FLAGS before JAX
 starts; a run on n devices uses the first n), and dump for each its counts, biases, losses and
-the router and output logits of the trained model on the first batch, and how many programs the
-steps compiled after the step was compiled ahead (ahead.compile_ahead, as the trainer does).
+the router and output logits of the trained model on the first batch, how many programs the
+steps after the first compiled, and how many of the step's own programs the steps compiled (a
+chain of programs is compiled ahead first, ahead.compile_ahead, as the trainer does).
 
 Usage: multidevice_run.py OUT_DIR RUN ...; RUN is DEVICES[:KEY=VALUE,...] (config overrides, e.g.
 the mesh's `ici_*` keys); run i is written to OUT_DIR/i.npz."""
 
 import gc
+import logging
+import re
 import sys
 from pathlib import Path
 
@@ -22,13 +25,29 @@ from moebalance.model.transformer import get_biases
 from moebalance.training import sharding
 from moebalance.training.ahead import compile_ahead
 from moebalance.training.loop import build
-from moebalance.training.step import make_train_step, on_mesh
+from moebalance.training.step import chained, make_train_step, on_mesh
 
 GLOBAL_BATCH = 8
 COMPILES = []  # every program compiled in this process, in order
 monitoring.register_event_duration_secs_listener(
     lambda event, secs, **kw: COMPILES.append(event)
     if event == "/jax/core/compile/backend_compile_duration" else None)
+# the training step's programs: the one program, or a chain's (training/step.py)
+STEP_PROGRAMS = {"step", "forward", "head", "backward", "accumulate", "apply"}
+COMPILED_NAMES = []  # the names of the programs XLA compiled, from JAX's own timing lines
+
+
+class _CompiledNames(logging.Handler):
+    def emit(self, record):
+        found = re.match(r"Finished XLA compilation of jit\((\w+)\)", record.getMessage())
+        if found:
+            COMPILED_NAMES.append(found[1])
+
+
+_dispatch_log = logging.getLogger("jax._src.dispatch")
+_dispatch_log.setLevel(logging.DEBUG)
+_dispatch_log.addHandler(_CompiledNames())
+_dispatch_log.propagate = False
 
 
 def run(out: Path, devices: int, *overrides: str):
@@ -39,15 +58,19 @@ def run(out: Path, devices: int, *overrides: str):
     data = batches(cfg, global_batch=GLOBAL_BATCH)
     model, optimizer = build(cfg, mesh, train_data=data)
     step = make_train_step(cfg, model, mesh)
-    with compile_ahead() as ahead:  # as the trainer does, before its first step
-        ahead(step, model, optimizer, *sharding.global_batch(mesh, *data.batch(0)))
-    compiled_before = len(COMPILES)
+    if chained(cfg, mesh):  # a chain's programs compiled ahead, as the trainer does
+        with compile_ahead() as ahead:
+            ahead(step, model, optimizer, *sharding.global_batch(mesh, *data.batch(0)))
+    names_before = len(COMPILED_NAMES)
     results = {"counts": [], "loss": [], "grad_norm": []}
     for i in range(3):
+        if i == 1:
+            compiled_before = len(COMPILES)
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
-    compiles_in_the_steps = len(COMPILES) - compiled_before  # the forward below compiles more
+    compiles_after_first = len(COMPILES) - compiled_before  # the forward below compiles more
+    step_compiled_in_the_steps = len(STEP_PROGRAMS.intersection(COMPILED_NAMES[names_before:]))
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -62,7 +85,8 @@ def run(out: Path, devices: int, *overrides: str):
              bias=np.asarray(get_biases(model)), embed_spec=str(embed.sharding.spec),
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
              router_logits=router_logits, embed=np.asarray(embed),
-             compiles_in_the_steps=compiles_in_the_steps,
+             compiles_after_the_first_step=compiles_after_first,
+             step_compiled_in_the_steps=step_compiled_in_the_steps,
              **{k: np.stack(v) for k, v in results.items()})
 
 
