@@ -2,7 +2,7 @@
 and meshes, one after another in this process (its CPU devices set by XLA_FLAGS before JAX
 starts; a run on n devices uses the first n), and dump for each its counts, biases, losses and
 the router and output logits of the trained model on the first batch, how many programs the
-steps after the first compiled, and how many of the step's own programs the steps compiled (a
+steps after the first compiled, and how many of the step's own programs the first step compiled (a
 chain of programs is compiled ahead first, ahead.compile_ahead, as the trainer does).
 
 Usage: multidevice_run.py OUT_DIR RUN ...; RUN is DEVICES[:KEY=VALUE,...] (config overrides, e.g.
@@ -66,11 +66,11 @@ def run(out: Path, devices: int, *overrides: str):
     for i in range(3):
         if i == 1:
             compiled_before = len(COMPILES)
+            step_compiled_first = len(STEP_PROGRAMS.intersection(COMPILED_NAMES[names_before:]))
         metrics = jax.device_get(step(model, optimizer, *sharding.global_batch(mesh, *data.batch(i))))
         for key in results:
             results[key].append(np.asarray(metrics[key]))
     compiles_after_first = len(COMPILES) - compiled_before  # the forward below compiles more
-    step_compiled_in_the_steps = len(STEP_PROGRAMS.intersection(COMPILED_NAMES[names_before:]))
     tokens, _, segment_ids = sharding.global_batch(mesh, *data.batch(0))
 
     @nnx.jit
@@ -86,7 +86,7 @@ def run(out: Path, devices: int, *overrides: str):
              expert_spec=str(expert_weights.sharding.spec), logits=logits,
              router_logits=router_logits, embed=np.asarray(embed),
              compiles_after_the_first_step=compiles_after_first,
-             step_compiled_in_the_steps=step_compiled_in_the_steps,
+             step_compiled_in_the_first_step=step_compiled_first,
              **{k: np.stack(v) for k, v in results.items()})
 
 
