@@ -27,6 +27,18 @@ def compile_log(caplog):
     return caplog
 
 
+def train_noting_compilations(cfg, out, caplog) -> list[str]:
+    """Train `cfg` into `out`; -> the programs compiled before its first step (compilations)."""
+    before_first = []
+
+    class AtStart(Hook):
+        def start(self, first, steps):
+            before_first.extend(compilations(caplog))
+
+    train(cfg, out, hooks=[AtStart()])
+    return before_first
+
+
 def test_a_program_compiled_ahead_is_not_compiled_again_by_its_call(compile_log):
     @jax.jit
     def twice_plus_shift(x, shift):
@@ -58,13 +70,7 @@ def test_a_run_compiles_its_steps_before_the_first_and_each_once(tmp_path, compi
     cfg = load_config("deepseek4-smoke", dict(
         steps=2, max_target_length=16, per_device_batch_size=2, seed=91,
         routed_bias_calibration_batches=1, probe_refit_batches=1))
-    before_first = []
-
-    class AtStart(Hook):
-        def start(self, first, steps):
-            before_first.extend(compilations(compile_log))
-
-    train(cfg, tmp_path / "run", hooks=[AtStart()])
+    before_first = train_noting_compilations(cfg, tmp_path / "run", compile_log)
     assert before_first.count("step") == 1
     compiled = compilations(compile_log)
     assert compiled.count("step") == 1
@@ -83,13 +89,7 @@ def test_a_run_on_a_chain_of_programs_compiles_each_before_the_first_step_and_on
         steps=2, max_target_length=16, per_device_batch_size=2, seed=92,
         gradient_accumulation_steps=2, step_programs="segments",
         routed_bias_calibration_batches=1, probe_refit_batches=1))
-    before_first = []
-
-    class AtStart(Hook):
-        def start(self, first, steps):
-            before_first.extend(compilations(compile_log))
-
-    train(cfg, tmp_path / "run", hooks=[AtStart()])
+    before_first = train_noting_compilations(cfg, tmp_path / "run", compile_log)
     expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1, "infer": 4,
                 "evaluate": 1, "score": 1}
     assert {name: before_first.count(name) for name in expected} == expected

@@ -612,14 +612,20 @@ def make_eval_step(cfg: Config, model: DeepSeekV4, mesh=None):
     return _eval_step(mesh)
 
 
+def evaluation_sums(model: DeepSeekV4, out: ModelOutput, tokens, mask) -> dict:
+    """make_eval_step's result from the model's output on tokens[:, :-1]: the masked
+    cross-entropy sum, the tokens it counts and every block's expert counts."""
+    ce = token_ce(model, out.hidden, tokens[:, 1:])
+    m = mask.astype(jnp.float32)
+    return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+
+
 @functools.cache
 def _eval_step(mesh):
     @nnx.jit
     def eval_step(model, tokens, mask, segment_ids):  # apart from the training `step` in logs
-        out = model(tokens[:, :-1], segment_ids=segment_ids)
-        ce = token_ce(model, out.hidden, tokens[:, 1:])
-        m = mask.astype(jnp.float32)
-        return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+        return evaluation_sums(model, model(tokens[:, :-1], segment_ids=segment_ids), tokens,
+                               mask)
 
     return on_mesh(eval_step, mesh)
 
@@ -676,9 +682,7 @@ def _inference_chain(mesh) -> _InferenceChain:
         positions, _ = model.defaults(tokens[:, :-1], None, segment_ids)
         with precision_scope(model.matmul_precision):
             out = model.outputs(h, records, positions, segment_ids, None, None)
-        ce = token_ce(model, out.hidden, tokens[:, 1:])
-        m = mask.astype(jnp.float32)
-        return {"ce_sum": (ce * m).sum(), "tokens": m.sum(), "counts": out.routing.counts}
+        return evaluation_sums(model, out, tokens, mask)
 
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def score(routed, num_experts, records):
