@@ -44,6 +44,8 @@
 #     (e.g. `d1024 4 2 remat_policy=minimal`: 16,384 tokens a step as 2 x (4 x 2048));
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh startup  (~1 minute) benchmarks/startup.py: whether the packages' bytecode
+#     is found, the A/B's imports timed in fresh processes, the chip's opening -> $OUT/startup.json;
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile (AB_OVERRIDES as for `ab`):
 #     $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
@@ -205,6 +207,13 @@ functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
     cat "$OUT/functions.json"
     ;;
+startup)
+    # where a command's first seconds go (benchmarks/startup.py): the packages' bytecode, the
+    # imports of `moebalance ab` twice (and twice more with $PYTHONPYCACHEPREFIX), the chip's opening
+    python3 benchmarks/startup.py --pycache-prefix /tmp/pycache > "$OUT/startup.json" \
+        2>> "$OUT/log.txt"
+    cat "$OUT/startup.json"
+    ;;
 abprofile)
     # where the A/B's time goes on the chip: the same command under cProfile (after `ab`, so with
     # its caches warm), its 60 largest cumulative times in $OUT/abprofile.txt
@@ -248,7 +257,7 @@ ab)
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
         "|d1024 B A [key=value ...]" \
-        "|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
+        "|startup|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
