@@ -3,7 +3,9 @@ process with JAX's own timing log lines captured (DEBUG level, so nothing else c
 print one JSON object: the wall time, and per phase (tracing, lowering to MLIR, XLA compilation or
 a load from the persistent cache) the total and the slowest programs by name (a name's count,
 total, longest, and the times since the command's start at which its first and last such
-events ended).
+events ended); and the command's timeline: when each of the functions in WATCHED ran (seconds
+since the start), and the process's start and end times (epoch seconds: the caller's own clock
+around the process then tells how long the interpreter took to start and to exit).
 
     python3 benchmarks/program_log.py [--json FILE] [--top N] -- ab deepseek4-tiny --out /tmp/ab
 
@@ -29,6 +31,15 @@ PHASES = {  # JAX's message -> phase
     r"Finished XLA compilation of (?P<name>.+) in (?P<s>[0-9.]+) sec": "compile",
 }
 HIT = re.compile(r"Persistent compilation cache hit for '(?P<name>[^']+)'")
+# module:function, each replaced in its module by a timed wrapper (callers that look it up there
+# see it): the A/B's phases around its programs
+WATCHED = ("moebalance.training.sharding:make_mesh", "moebalance.data:batches",
+           "moebalance.training.loop:probe_set", "moebalance.training.loop:build",
+           "moebalance.training.loop:_compiled_steps", "moebalance.training.loop:probe_counts",
+           "moebalance.training.calibration:calibrate_biases",
+           "moebalance.training.calibration:refit_biases",
+           "moebalance.training.loop:_measure_final", "moebalance.training.checkpoint:save",
+           "moebalance.training.hooks:Hooks.end", "moebalance.report:ab_report")
 
 
 class Recorder(logging.Handler):
@@ -53,6 +64,30 @@ class Recorder(logging.Handler):
                 self.events.append((phase, found["name"], float(found["s"]),
                                     time.perf_counter() - self.start))
                 return
+
+
+def watch(timeline: list, start: float) -> None:
+    """Wrap each WATCHED function so that its calls append [name, start, end] to timeline."""
+    import functools
+    import importlib
+
+    for entry in WATCHED:
+        module_name, path = entry.split(":")
+        owner = importlib.import_module(module_name)
+        *outer, name = path.split(".")
+        for attr in outer:
+            owner = getattr(owner, attr)
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _name=path, **kwargs):
+            begun = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                timeline.append([_name, round(begun - start[0], 2),
+                                 round(time.perf_counter() - start[0], 2)])
+
+        setattr(owner, name, functools.wraps(original)(timed))
 
 
 def summary(events, hits, wall_s: float, top: int) -> dict:
@@ -98,11 +133,24 @@ def main(argv=None) -> int:
 
     from moebalance.cli import main as moebalance
 
-    recorder.start = time.perf_counter()
+    timeline, start = [], [0.0]
+    from moebalance.training import sharding
+
+    opening = sharding.open_devices_early
+
+    def open_then_watch(cfg):  # the watched modules imported where the command imports them
+        thread = opening(cfg)
+        watch(timeline, start)
+        return thread
+
+    sharding.open_devices_early = open_then_watch
+    started = time.time()
+    recorder.start = start[0] = time.perf_counter()
     code = moebalance(command, compile_cache=True)
     wall = time.perf_counter() - recorder.start
     result = summary(recorder.events, recorder.hits, wall, args.top)
-    result["command"] = " ".join(command)
+    result.update(command=" ".join(command), timeline=timeline, started_epoch=round(started, 2),
+                  ended_epoch=round(time.time(), 2))
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -84,6 +84,12 @@ if [ -f benchmarks/results/tpu-v5e.json ] && [ ! -f "$RECORD" ]; then
     cp benchmarks/results/tpu-v5e.json "$RECORD"
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# Python's bytecode kept as on a user's machine: this one sets PYTHONDONTWRITEBYTECODE, its JAX
+# folder is read-only and what pip puts in /tmp/site has none, so every process compiled the
+# sources of every module it imported (the A/B's imports 5.8 s a process; with the bytecode kept
+# under $PYTHONPYCACHEPREFIX 4.8 s, and the warm A/B 51 s against 54: startup.py, 2026-12-07)
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 D1024=benchmarks/configs/deepseek4-d1024.yml
 BF16="weight_dtype=bfloat16 remat_policy=full"  # fp32 weights + AdamW: 16.7 GiB of state alone
 NOTES="benchmarks/tpu.sh"
@@ -210,8 +216,9 @@ functions)
 startup)
     # where a command's first seconds go (benchmarks/startup.py): the packages' bytecode, the
     # imports of `moebalance ab` twice (and twice more with $PYTHONPYCACHEPREFIX), the chip's opening
-    python3 benchmarks/startup.py --pycache-prefix /tmp/pycache > "$OUT/startup.json" \
-        2>> "$OUT/log.txt"
+    # (first as the machine sets Python up, so the prefix is this script's, not startup.py's)
+    env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 python3 benchmarks/startup.py \
+        --pycache-prefix /tmp/pycache-startup > "$OUT/startup.json" 2>> "$OUT/log.txt"
     cat "$OUT/startup.json"
     ;;
 abprofile)
@@ -238,14 +245,20 @@ cli)
 ab)
     # each run through benchmarks/program_log.py: its programs' tracing, lowering and compile (or
     # cache load) times in $OUT/programs-1.json (and -2.json, the warm run)
+    # (epoch seconds before and after each process, beside those it reports of its own start and
+    # end, say how long the interpreter took to start and to exit)
     start=$SECONDS
+    echo "process 1 from $(date +%s.%N)" | log
     part 300 ab python3 benchmarks/program_log.py --json "$OUT/programs-1.json" -- \
         ab deepseek4-tiny ${AB_OVERRIDES:-} --out "$OUT/ab"
+    echo "process 1 to $(date +%s.%N)" | log
     times=$((SECONDS - start))
     if [ "${2:-}" = twice ]; then
         start=$SECONDS
+        echo "process 2 from $(date +%s.%N)" | log
         part 200 ab python3 benchmarks/program_log.py --json "$OUT/programs-2.json" -- \
             ab deepseek4-tiny ${AB_OVERRIDES:-} --out "$OUT/ab" --overwrite
+        echo "process 2 to $(date +%s.%N)" | log
         times="$times $((SECONDS - start))"
     fi
     python3 benchmarks/tpu_record.py ab "$RECORD" "$OUT/ab" "$(date +%F)" $times 2>&1 | log
