@@ -44,6 +44,8 @@
 #     (e.g. `d1024 4 2 remat_policy=minimal`: 16,384 tokens a step as 2 x (4 x 2048));
 #   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh lowering  (~1 minute) benchmarks/lowering.py: how long the host traces and
+#     lowers deepseek4-tiny's programs, alone and beside their compilations -> $OUT/lowering.json;
 #   bash benchmarks/tpu.sh startup  (~1 minute) benchmarks/startup.py: whether the packages' bytecode
 #     is found, the A/B's imports timed in fresh processes, the chip's opening -> $OUT/startup.json;
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile (AB_OVERRIDES as for `ab`):
@@ -213,6 +215,14 @@ functions)
     python3 benchmarks/tpu_functions.py > "$OUT/functions.json" 2>> "$OUT/log.txt"
     cat "$OUT/functions.json"
     ;;
+lowering)
+    # the host's tracing and lowering of deepseek4-tiny's programs (benchmarks/lowering.py):
+    # alone, then beside their compilations (after `ab`: loads from the compilation cache)
+    for how in "" --beside; do
+        part 150 lowering python3 benchmarks/lowering.py $how deepseek4-tiny ${AB_OVERRIDES:-}
+    done
+    cat "$OUT/lowering.json"
+    ;;
 startup)
     # where a command's first seconds go (benchmarks/startup.py): the packages' bytecode, the
     # imports of `moebalance ab` twice (and twice more with $PYTHONPYCACHEPREFIX), the chip's opening
@@ -270,7 +280,7 @@ ab)
 *)
     echo "usage: bash benchmarks/tpu.sh [step|remat|experts|profile|peer|ab [twice]|speed|goals" \
         "|d1024 B A [key=value ...]" \
-        "|startup|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
+        "|lowering|startup|abprofile|cli|study [ARGS]|functions|tests [FILES]]" >&2
     exit 2
     ;;
 esac
