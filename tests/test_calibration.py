@@ -52,15 +52,18 @@ def test_calibration_refits_the_final_biases_on_fresh_training_batches(tmp_path)
         load_config("deepseek4-smoke", {"routed_bias_calibration_batches": -1})
 
 
-def test_a_bound_step_sees_the_biases_set_between_its_calls():
+@pytest.mark.parametrize("programs", ["one", "segments"])
+def test_a_bound_step_sees_the_biases_set_between_its_calls(programs):
     """bind_model (the refit's and the probes' loops): the bound step gives the unbound step's
-    counts, before and after the biases change under it."""
+    counts, before and after the biases change under it; also as a chain of programs, whose
+    bound step holds the model split once."""
     from moebalance.model.transformer import get_biases, set_biases
     from moebalance.training import sharding
     from moebalance.training.loop import build
     from moebalance.training.step import bind_model, make_eval_step
 
-    cfg = load_config("deepseek4-smoke", dict(max_target_length=16, per_device_batch_size=2))
+    cfg = load_config("deepseek4-smoke", dict(max_target_length=16, per_device_batch_size=2,
+                                              step_programs=programs))
     mesh = sharding.make_mesh(cfg)
     source = batches(cfg)
     model, _ = build(cfg, mesh, source)
