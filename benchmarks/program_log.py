@@ -160,4 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moebalance.runtime import exit_at_once
+
+    exit_at_once(main())  # as the installed command ends

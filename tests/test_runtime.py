@@ -104,3 +104,19 @@ def test_building_the_model_and_optimizer_compiles_no_program_per_parameter_shap
     compiles = json.loads(out.splitlines()[-1])
     assert compiles.get("jit(optimizer_init)") == 1
     assert sum(compiles.values()) <= 6, compiles
+
+
+def test_the_command_ends_at_once_with_its_output_and_exit_code(tmp_path, capsys):
+    """cli.entry ends the process by runtime.exit_at_once (no Python clean-up at exit): what it
+    printed to a pipe (block-buffered) arrives whole, as main prints it in this process, and an
+    error's exit code and one-line message come through."""
+    from moebalance import cli
+
+    for command in (["keys"], ["params", "deepseek4-tiny"]):
+        printed, _ = run_cli(command, tmp_path, PYTHONUNBUFFERED=None)  # stdout buffered
+        assert cli.main(command) == 0
+        assert printed == capsys.readouterr().out and printed.count("\n") >= 3
+    bad = subprocess.run([sys.executable, "-m", "moebalance.cli", "train", "no-such-config",
+                          "--out", str(tmp_path / "run")], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("moebalance: ") and bad.stderr.count("\n") == 1

@@ -19,6 +19,7 @@ from pathlib import Path
 from moebalance import report
 from moebalance.config import Config
 from moebalance.rundir import RunDir, RunDirError
+from moebalance.training import checkpoint
 from moebalance.training.hooks import terminal
 from moebalance.training.loop import train
 
@@ -44,21 +45,24 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
     if earlier and not (overwrite or resume):
         raise RunDirError(f"{out} already holds an experiment ({', '.join(earlier)}); pass "
                           "--resume to finish it, --overwrite to replace it, or choose another --out")
-    for name, run_cfg in (("A (no balancing)", without_balancing(cfg)), ("B (balancing)", cfg)):
-        run = RunDir(out / f"run_{name[0].lower()}")
-        hooks = terminal(console, bar=progress, per_block=verbose) if console is not None else []
-        if console is not None:
-            console.rule(f"Run {name}: {run.path}")
-        if resume and run.has_checkpoint():
-            if run.finished(run_cfg.steps):
-                if console is not None:
-                    console.print("already finished")
-                continue
-            train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
-        else:
-            train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
-    table = report.ab_report(out / "run_a", out / "run_b", out, console if verbose else None,
-                             overwrite=overwrite or resume)
+    runs = (("A (no balancing)", without_balancing(cfg)), ("B (balancing)", cfg))
+    with checkpoint.background():  # Run A's state written as Run B starts, Run B's with the report
+        for name, run_cfg in runs:
+            run = RunDir(out / f"run_{name[0].lower()}")
+            hooks = (terminal(console, bar=progress, per_block=verbose) if console is not None
+                     else [])
+            if console is not None:
+                console.rule(f"Run {name}: {run.path}")
+            if resume and run.has_checkpoint():
+                if run.finished(run_cfg.steps):
+                    if console is not None:
+                        console.print("already finished")
+                    continue
+                train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
+            else:
+                train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
+        table = report.ab_report(out / "run_a", out / "run_b", out, console if verbose else None,
+                                 overwrite=overwrite or resume)
     if console is not None:
         console.rule("Result")
         for line in report.headline(table):

@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None, *, compile_cache: bool = False) -> int:
 
 def entry() -> None:
     """The installed `moebalance` command: main() in a process with huge-page malloc and the
-    compilation cache on (runtime)."""
-    from moebalance.runtime import reexec_with_hugepage_malloc
+    compilation cache on, which ends as soon as main returns (runtime)."""
+    from moebalance.runtime import exit_at_once, reexec_with_hugepage_malloc
 
     reexec_with_hugepage_malloc()
-    sys.exit(main(compile_cache=True))
+    exit_at_once(main(compile_cache=True))

@@ -1,7 +1,8 @@
 """Orbax checkpoints of a training run: every variable of the model (parameters, the float32
 biases and the hash tables, bit-exact), the optimizer state, and the step (which is also the data
 position: synthetic batches are a function of the step). Orbax writes each checkpoint to a
-temporary directory and renames it into place, and keeps the last `max_num_checkpoints_to_keep`.
+temporary directory and renames it into place, and keeps the last `max_num_checkpoints_to_keep`;
+inside `background()` it does so on a thread of its own while the caller goes on.
 """
 
 from __future__ import annotations
@@ -25,14 +26,36 @@ from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
 from moebalance.training.step import new_optimizer
 
 log = logging.getLogger(__name__)
+_writing: list[ocp.CheckpointManager] | None = None  # inside background(): its managers
+
+
+@contextlib.contextmanager
+def background():
+    """Inside the block, checkpoints are written in the background: `save` returns once Orbax
+    holds the state on the host (its async checkpointing) and the caller goes on while Orbax
+    writes it and renames it into place. Leaving the block, also by an error, waits for every
+    write. The A/B saves Run A's state while Run B starts and Run B's while the report is drawn
+    (a save of deepseek4-tiny took 1.6-1.9 s on a TPU v5e's host, of which Orbax's write is
+    most: on a 2-core CPU 0.65 s, 0.1 s in the background)."""
+    global _writing
+    outer, _writing = _writing, []
+    try:
+        yield
+    finally:
+        managers, _writing = _writing, outer
+        for mgr in managers:
+            mgr.wait_until_finished()
 
 
 def manager(directory: Path, keep: int | None = None) -> ocp.CheckpointManager:
     """The checkpoints in `directory` (a run's checkpoints/, created if absent); saving keeps the
-    last `keep` (None: all)."""
+    last `keep` (None: all); saving in the background inside `background()`."""
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=False)
-    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+                                           enable_async_checkpointing=_writing is not None)
+    mgr = ocp.CheckpointManager(Path(directory).absolute(), options=options)
+    if _writing is not None:
+        _writing.append(mgr)
+    return mgr
 
 
 def _pure(model, optimizer) -> dict:
@@ -73,7 +96,8 @@ def save(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> None:
     mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_pure(model, optimizer)),
         meta=ocp.args.JsonSave({"step": step})))
-    mgr.wait_until_finished()
+    if _writing is None or mgr not in _writing:
+        mgr.wait_until_finished()
 
 
 def load(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> int:
