@@ -9,6 +9,7 @@ from moebalance import cli
 from moebalance.config import ConfigError, load_config
 from moebalance.experiment import ab, without_balancing
 from moebalance.metrics import load_stats, sampling_floor
+from moebalance.model.transformer import DeepSeekV4
 from moebalance.rundir import RunDirError
 
 AB = dict(steps=4, max_target_length=64, per_device_batch_size=8, routed_bias_update_rule="quantile",
@@ -24,6 +25,35 @@ def test_run_a_has_every_balancing_mechanism_off():
     assert (a.routed_bias, a.routed_bias_update_rate, a.load_balance_loss_weight,
             a.global_balance_loss_weight) == (False, 0.0, 0.0, 0.0)
     assert a.router_z_loss_weight == cfg.router_z_loss_weight and a.seed == cfg.seed
+
+
+def test_the_runs_of_one_program_start_from_one_draw(monkeypatch):
+    """loop.shared_draws (the A/B's): Run B's build copies Run A's initial weights instead of
+    drawing them again (the model is constructed once), bit for bit a draw of its own, and apart
+    from Run A's model; outside the block each build draws."""
+    import jax
+    from flax import nnx
+
+    from moebalance.training import loop, sharding
+
+    drawn = []
+    monkeypatch.setattr(loop, "DeepSeekV4", lambda *a, **k: drawn.append(1) or DeepSeekV4(*a, **k))
+    cfg = load_config("deepseek4-smoke", {**OVERRIDES, "dataset_type": "synthetic"})
+    mesh = sharding.make_mesh(cfg)
+
+    def weights(model):
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model)))
+
+    with loop.shared_draws():
+        run_a, _ = loop.build(without_balancing(cfg), mesh, program=cfg)
+        first = weights(run_a)
+        run_a.embed[...] = run_a.embed[...] + 1  # Run A trains
+        run_b, _ = loop.build(cfg, mesh, program=cfg)
+    assert len(drawn) == 1
+    alone, _ = loop.build(cfg, mesh, program=cfg)
+    assert len(drawn) == 2
+    jax.tree.map(np.testing.assert_array_equal, weights(run_b), first)
+    jax.tree.map(np.testing.assert_array_equal, weights(alone), first)
 
 
 # cli.main with the cache on, counting XLA compilations (by function) and persistent-cache hits

@@ -19,9 +19,8 @@ from pathlib import Path
 from moebalance import report
 from moebalance.config import Config
 from moebalance.rundir import RunDir, RunDirError
-from moebalance.training import checkpoint
+from moebalance.training import checkpoint, loop
 from moebalance.training.hooks import terminal
-from moebalance.training.loop import train
 
 
 def without_balancing(cfg: Config) -> Config:
@@ -46,7 +45,9 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
         raise RunDirError(f"{out} already holds an experiment ({', '.join(earlier)}); pass "
                           "--resume to finish it, --overwrite to replace it, or choose another --out")
     runs = (("A (no balancing)", without_balancing(cfg)), ("B (balancing)", cfg))
-    with checkpoint.background():  # Run A's state written as Run B starts, Run B's with the report
+    # Run B starts from a copy of Run A's initial draw; Run A's state is written as Run B starts,
+    # Run B's as the report is drawn
+    with loop.shared_draws(), checkpoint.background():
         for name, run_cfg in runs:
             run = RunDir(out / f"run_{name[0].lower()}")
             hooks = (terminal(console, bar=progress, per_block=verbose) if console is not None
@@ -58,9 +59,9 @@ def ab(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = False,
                     if console is not None:
                         console.print("already finished")
                     continue
-                train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
+                loop.train(run_cfg, run.path, resume=True, hooks=hooks, program=cfg)
             else:
-                train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
+                loop.train(run_cfg, run.path, overwrite=True, hooks=hooks, program=cfg)
         table = report.ab_report(out / "run_a", out / "run_b", out, console if verbose else None,
                                  overwrite=overwrite or resume)
     if console is not None:

@@ -18,6 +18,7 @@ this loop on its own rows of the batch; process 0 writes the run directory and c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -40,8 +41,8 @@ from moebalance.training.ahead import compile_ahead
 from moebalance.training.calibration import (calibration_batches, final_probe, fits_biases,
                                              probe_counts)
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
-from moebalance.training.step import (make_eval_step, make_score_step, make_train_step,
-                                      new_optimizer, schedule_changes)
+from moebalance.training.step import (config_key, make_eval_step, make_score_step,
+                                      make_train_step, new_optimizer, schedule_changes)
 from moebalance.training.validation import Validation
 
 
@@ -64,7 +65,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         sharding.sync_processes("run directory checked")  # by all, before process 0 writes
         if writer and not resume:
             run.create(cfg, overwrite, train_data.tokenizer)
-        model, optimizer = build(cfg, mesh, train_data)
+        model, optimizer = build(cfg, mesh, train_data, program=program)
         checkpoints = checkpoint.manager(run.checkpoints, cfg.max_num_checkpoints_to_keep)
         first = checkpoint.restore(checkpoints, model, optimizer) if (
             resume and run.has_checkpoint()) else 0  # stopped before its first: start over
@@ -255,16 +256,42 @@ def _hash_tables(cfg: Config, train_data) -> list | None:
                              "balanced", token_counts=counts)] * cfg.first_num_hash_layers
 
 
-def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False):
+_draws: dict | None = None  # inside shared_draws(): the models drawn, by their program's config
+
+
+@contextlib.contextmanager
+def shared_draws():
+    """Inside the block, the runs of one program (make_train_step's, e.g. the A/B's two) start
+    from one draw of the initial weights: the first run's model drawn on the host is kept, and
+    the later ones start from a copy of it instead of drawing again (deepseek4-tiny's draw:
+    1.1 s on a 2-core CPU, most of Run B's 1.3-2.2 s build on a TPU v5e's host). A program's runs
+    differ only in their balancing switches, which no weight depends on."""
+    global _draws
+    outer, _draws = _draws, {}
+    try:
+        yield
+    finally:
+        _draws = outer
+
+
+def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False,
+          program: Config | None = None):
     """Model and optimizer, placed on the mesh. `restoring`: a checkpoint will supply every
-    variable, the hash tables too, so none is built from the data."""
-    tables = (placeholder_hash_tables(cfg) if restoring
-              else _hash_tables(cfg, train_data or data.batches(cfg)))
-    # drawn on the host, then placed: init_normal takes a seed per parameter from the Rngs
-    # stream, three eager key operations and a read each (~1,500 parameters in deepseek4-tiny),
-    # which on an accelerator would each be a dispatch to it and a copy back
-    with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
+    variable, the hash tables too, so none is built from the data. program: the config of the
+    step the run runs (train's), by which shared_draws() shares the draw."""
+    key = config_key(program) if program is not None and _draws is not None else None
+    if key in (_draws or {}):
+        model = nnx.clone(_draws[key])
+    else:
+        tables = (placeholder_hash_tables(cfg) if restoring
+                  else _hash_tables(cfg, train_data or data.batches(cfg)))
+        # drawn on the host, then placed: init_normal takes a seed per parameter from the Rngs
+        # stream, three eager key operations and a read each (~1,500 parameters in
+        # deepseek4-tiny), which on an accelerator would each be a dispatch to it and a copy back
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            model = DeepSeekV4(cfg, hash_tables=tables, rngs=nnx.Rngs(cfg.seed))
+        if key is not None:
+            _draws[key] = nnx.clone(model)  # kept on the host, apart from what shard places
     sharding.shard(model, mesh)
     optimizer = new_optimizer(cfg, model)
     sharding.shard(optimizer, mesh)
