@@ -2,12 +2,13 @@
 bytecode (or compiles their sources in every process), the imports of `moebalance ab`, and
 opening the devices. Prints one JSON object.
 
-    python benchmarks/startup.py [--pycache-prefix DIR]
+    python benchmarks/startup.py [--pycache-prefix DIR] [--premapped BYTES,...]
 
 Each timing is a fresh interpreter, run twice (the second finds what the first left behind).
 --pycache-prefix: the same again with $PYTHONPYCACHEPREFIX=DIR (and $PYTHONDONTWRITEBYTECODE unset),
 where Python then keeps the bytecode of every module it imports, also of packages whose folders it
-cannot write (a read-only install shipped without its __pycache__).
+cannot write (a read-only install shipped without its __pycache__). --premapped: opening the
+devices again with each of these sizes of libtpu's premapped (pinned) host buffer, and the exit.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ PACKAGES = ("jax", "jaxlib", "flax", "numpy", "orbax.checkpoint", "matplotlib", 
 IMPORTS = ("import moebalance.experiment, moebalance.training.evaluate, "
            "moebalance.training.calibration")
 OPEN = ("import time; t = time.perf_counter(); import jax; i = time.perf_counter(); "
-        "jax.devices(); print(i - t, time.perf_counter() - i)")
+        "jax.devices(); print(i - t, time.perf_counter() - i, time.time(), flush=True)")
 
 
 def bytecode(name: str) -> dict:
@@ -46,14 +47,20 @@ def timed(code: str, env: dict) -> float:
 
 
 def opened(env: dict) -> dict:
+    """A fresh process importing JAX and opening the devices, and how long it took to exit."""
     out = subprocess.run([sys.executable, "-c", OPEN], env=env, check=True, capture_output=True,
                          text=True).stdout.split()
-    return {"import_jax_s": round(float(out[0]), 2), "devices_s": round(float(out[1]), 2)}
+    ended = time.time()
+    return {"import_jax_s": round(float(out[0]), 2), "devices_s": round(float(out[1]), 2),
+            "exit_s": round(ended - float(out[2]), 2)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pycache-prefix")
+    parser.add_argument("--premapped", default="",
+                        help="comma-separated TPU_PREMAPPED_BUFFER_SIZE values (bytes) to open "
+                             "the devices with too")
     args = parser.parse_args()
     env = dict(os.environ)
     result = {"dont_write_bytecode": sys.flags.dont_write_bytecode,
@@ -66,6 +73,9 @@ def main() -> None:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         result["with_prefix"] = {"prefix": args.pycache_prefix,
                                  "imports_s": [timed(IMPORTS, env) for _ in range(2)]}
+    for size in filter(None, args.premapped.split(",")):  # libtpu's pinned staging buffer
+        result.setdefault("open_premapped", {})[size] = opened(
+            {**env, "TPU_PREMAPPED_BUFFER_SIZE": size})
     print(json.dumps(result))
 
 

@@ -46,8 +46,9 @@
 #     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
 #   bash benchmarks/tpu.sh lowering  (~1 minute) benchmarks/lowering.py: how long the host traces and
 #     lowers deepseek4-tiny's programs, alone and beside their compilations -> $OUT/lowering.json;
-#   bash benchmarks/tpu.sh startup  (~1 minute) benchmarks/startup.py: whether the packages' bytecode
-#     is found, the A/B's imports timed in fresh processes, the chip's opening -> $OUT/startup.json;
+#   bash benchmarks/tpu.sh startup  (~2 minutes) benchmarks/startup.py: whether the packages' bytecode
+#     is found, the A/B's imports timed in fresh processes, the chip's opening and the process's
+#     exit, also with libtpu's premapped buffer at each of $PREMAPPED's sizes -> $OUT/startup.json;
 #   bash benchmarks/tpu.sh abprofile  the A/B again under cProfile (AB_OVERRIDES as for `ab`):
 #     $OUT/ab.prof, abprofile.txt;
 #   bash benchmarks/tpu.sh cli      train (deepseek4-smoke, 20 steps), eval, generate and export as
@@ -227,8 +228,11 @@ startup)
     # where a command's first seconds go (benchmarks/startup.py): the packages' bytecode, the
     # imports of `moebalance ab` twice (and twice more with $PYTHONPYCACHEPREFIX), the chip's opening
     # (first as the machine sets Python up, so the prefix is this script's, not startup.py's)
+    # (then the chip opened with libtpu's premapped host buffer at each of PREMAPPED's sizes)
     env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 python3 benchmarks/startup.py \
-        --pycache-prefix /tmp/pycache-startup > "$OUT/startup.json" 2>> "$OUT/log.txt"
+        --pycache-prefix /tmp/pycache-startup \
+        --premapped "${PREMAPPED:-4294967296,1073741824,268435456,67108864}" \
+        > "$OUT/startup.json" 2>> "$OUT/log.txt"
     cat "$OUT/startup.json"
     ;;
 abprofile)

@@ -453,7 +453,31 @@ def _lowering(mesh, emit):
     return trace
 
 
-def _chain_step(chain, mesh, split=nnx.split):
+class _Hashed:
+    """A static argument of the chains' programs, hashed once: jax.jit hashes its static
+    arguments at every call, and deepseek4-tiny's GraphDef took 0.3 ms a hash on a 2-core CPU
+    (most programs of a chain take one)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, _Hashed) and (self.value is other.value or
+                                               self.value == other.value)
+
+
+def _split(model, *filters):
+    """nnx.split(model, *filters) with the GraphDef _Hashed."""
+    graphdef, *states = nnx.split(model, *filters)
+    return _Hashed(graphdef), *states
+
+
+def _chain_step(chain, mesh, split=_split):
     """chain(call, model, split(model), *args), which runs its programs in order through
     call(program, *its args) and returns the last one's outputs, as a step: step(model, *args)
     runs them; step.bind(model) is the step with the model split once (bind_model: split's
@@ -525,7 +549,7 @@ def _segment_steps(key: str, routed: tuple[int, ...], mesh):
             merged = list(states)
             for index, state in zip(part[2], chosen):
                 merged[index] = state
-            model = nnx.merge(graphdef, *merged)
+            model = nnx.merge(graphdef.value, *merged)
             with precision_scope(model.matmul_precision):
                 return run_part(part, model, carry, batch)
         return fn, tuple(states[index] for index in part[2])
@@ -570,7 +594,7 @@ def _segment_steps(key: str, routed: tuple[int, ...], mesh):
         return apply_gradients(cfg, routed, model, optimizer, grads, sum(loss), aux, values)
 
     def split(model):
-        return nnx.split(model, *parts_of(model)[1], ...)
+        return _split(model, *parts_of(model)[1], ...)
 
     def chain(call, model, split_model, optimizer, tokens, mask, segment_ids, values):
         """The step's programs in order, each through call(program, *args) -> its outputs
@@ -681,7 +705,7 @@ def _inference_chain(mesh) -> _InferenceChain:
     @functools.partial(jax.jit, static_argnums=(0, 1))
     def infer(segment, graphdef, state, carry, tokens, segment_ids):
         """The embedding (segment None) or one segment -> its output."""
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef.value, state)
         inputs = tokens[:, :-1]
         with precision_scope(model.matmul_precision):
             if segment is None:
@@ -692,7 +716,7 @@ def _inference_chain(mesh) -> _InferenceChain:
 
     @functools.partial(jax.jit, static_argnums=0)
     def evaluate(graphdef, state, h, records, tokens, mask, segment_ids):
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef.value, state)
         positions, _ = model.defaults(tokens[:, :-1], None, segment_ids)
         with precision_scope(model.matmul_precision):
             out = model.outputs(h, records, positions, segment_ids, None, None)
