@@ -184,7 +184,7 @@ def test_an_interrupted_set_up_can_be_resumed(tmp_path, capsys, monkeypatch):
     run directory holds the config but no checkpoint, and --resume starts it over."""
     from moebalance.training import loop
 
-    def interrupted(*args):
+    def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     run = tmp_path / "run"
