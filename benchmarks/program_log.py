@@ -22,7 +22,6 @@ import collections
 import json
 import logging
 import re
-import sys
 import time
 
 PHASES = {  # JAX's message -> phase

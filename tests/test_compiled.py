@@ -17,7 +17,7 @@ import pytest
 from moebalance import cli, kernels
 from moebalance.config import ConfigError, load_config
 from moebalance.training import compiled, plan
-from moebalance.training.step import switches
+from moebalance.training.objective import switches
 
 GIB = 2**30
 

@@ -17,7 +17,7 @@ from flax import nnx
 from moebalance.config import load_config
 from moebalance.model import attention, decode
 from moebalance.model.transformer import DeepSeekV4, routed_layers
-from moebalance.training.step import losses
+from moebalance.training.objective import losses
 
 ROUTING_SCOPES = re.compile(r"\b(route|mhc)\b")
 

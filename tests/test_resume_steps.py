@@ -18,7 +18,8 @@ from moebalance.rundir import RunDir, RunStopped
 from moebalance.training.checkpoint import restore_model
 from moebalance.training.hooks import Hook
 from moebalance.training.loop import train
-from moebalance.training.step import lr_schedule, schedule_changes
+from moebalance.training.objective import lr_schedule
+from moebalance.training.step import schedule_changes
 
 # 4 steps, 1 of them warm-up (also of 6: int(0.25 * 6) = 1); the default cosine to 0.1 x lr
 SMALL = dict(steps=4, max_target_length=16, per_device_batch_size=2, warmup_steps_fraction=0.25,

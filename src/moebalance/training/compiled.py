@@ -36,8 +36,9 @@ from flax import nnx
 from moebalance.config import REMAT_ORDER, Config, ConfigError
 from moebalance.model.moe import resolve_dispatch
 from moebalance.training import sharding
+from moebalance.training.objective import SWITCHES
 from moebalance.training.plan import GIB, abstract_model, abstract_optimizer
-from moebalance.training.step import SWITCHES, lower_train_step
+from moebalance.training.step import lower_train_step
 
 REFUSED = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
 

@@ -17,12 +17,13 @@ Per device, for the mesh the `ici_*` keys give on N devices (an `AbstractMesh`):
                  backward's working set:
                      remat none:  saved(loss)         + 2 x block
                      otherwise:   saved(loss, policy) + 3 x block
-                 saved(.) = the residuals of `jax.vjp` of the trainer's own loss (`step.losses`),
-                 traced at the global batch under the abstract mesh: every array the backward
-                 reads that is not an input. An array computed from the batch is split over all
-                 devices (the batch is split over every mesh axis; inside the expert-parallel
-                 `shard_map` each device holds its own rows); one computed from parameters alone
-                 (a cast to the compute dtype) is split like its parameter, over fsdp. The split
+                 saved(.) = the residuals of `jax.vjp` of the trainer's own loss
+                 (`objective.losses`), traced at the global batch under the abstract mesh:
+                 every array the backward reads that is not an input. An array computed from
+                 the batch is split over all devices (the batch is split over every mesh axis;
+                 inside the expert-parallel `shard_map` each device holds its own rows); one
+                 computed from parameters alone (a cast to the compute dtype) is split like its
+                 parameter, over fsdp. The split
                  is decided per top-level operation, so what a layer scan saves counts as from
                  the batch, weight casts inside it too (undercounted by N / fsdp; they are a small
                  part, and a remat scan saves only the blocks' inputs). With full remat the saved
@@ -66,7 +67,8 @@ from moebalance.model.expert_parallel import fast_slots
 from moebalance.model.transformer import (Block, DeepSeekV4, layer_kinds, placeholder_hash_tables,
                                           routed_layers)
 from moebalance.training import sharding
-from moebalance.training.step import config_key, losses, new_optimizer
+from moebalance.training.objective import losses
+from moebalance.training.step import config_key, new_optimizer
 
 GIB = 2**30
 # The backward of one block needs about this many times its residuals on top of them (the
@@ -200,8 +202,8 @@ _LOSS_RESIDUALS: dict[tuple, int] = {}
 
 
 def loss_residuals(cfg: Config, model: DeepSeekV4, mesh: AbstractMesh) -> int:
-    """Per-device bytes the backward of one micro-batch's loss (`step.losses`) keeps (`model` is
-    `cfg`'s, as abstract_model builds it)."""
+    """Per-device bytes the backward of one micro-batch's loss (`objective.losses`) keeps
+    (`model` is `cfg`'s, as abstract_model builds it)."""
     key = (config_key(cfg), tuple(mesh.shape.items()))
     if key not in _LOSS_RESIDUALS:
         loss, inputs = loss_and_inputs(cfg, model, global_rows(cfg, mesh))
