@@ -20,7 +20,7 @@ def main(argv: list[str]) -> None:
     from moebalance.config import load_config
     from moebalance.runtime import enable_compilation_cache
     from moebalance.training import sharding
-    from moebalance.training.ahead import compile_ahead
+    from moebalance.training.ahead import compile_ahead, lower
     from moebalance.training.loop import build, probe_set
     from moebalance.training.step import make_eval_step, make_score_step, make_train_step
 
@@ -51,10 +51,7 @@ def main(argv: list[str]) -> None:
     result["lowered_s"], result["programs"] = {}, {}
     for name, (step, *args) in steps.items():  # lowered only (jit keeps no lowering: each anew)
         start, programs = time.perf_counter(), []
-        if hasattr(step, "lower_programs"):
-            step.lower_programs(programs.append, *args)
-        else:
-            programs.append(step.lower(*args))
+        lower(step, programs.append, *args)
         result["lowered_s"][name] = round(time.perf_counter() - start, 2)
         result["programs"][name] = len(programs)
     print(json.dumps(result))

@@ -65,8 +65,9 @@ class Recorder(logging.Handler):
                 return
 
 
-def watch(timeline: list, start: float) -> None:
-    """Wrap each WATCHED function so that its calls append [name, start, end] to timeline."""
+def watch(timeline: list, start: list[float]) -> None:
+    """Wrap each WATCHED function so that its calls append [name, start, end] to timeline, in
+    seconds since start[0] (set when the command starts)."""
     import functools
     import importlib
 

@@ -29,12 +29,15 @@ def compile_ahead(workers: int | None = None):
         def emit(lowered):
             pending.append(pool.submit(lowered.compile))
 
-        def ahead(step, *args):
-            if hasattr(step, "lower_programs"):
-                step.lower_programs(emit, *args)
-            else:
-                emit(step.lower(*args))
-
-        yield ahead
+        yield lambda step, *args: lower(step, emit, *args)
         for future in pending:
             future.result()
+
+
+def lower(step, emit, *args) -> None:
+    """Lower `step` (see compile_ahead) for these arguments, each of its programs passed to
+    emit(lowered) as it is lowered."""
+    if hasattr(step, "lower_programs"):
+        step.lower_programs(emit, *args)
+    else:
+        emit(step.lower(*args))

@@ -50,6 +50,16 @@ def _join(floats, ints):
                         is_leaf=lambda x: x is None)
 
 
+def _forward_part(model, segment, carry, tokens, segment_ids):
+    """The embedding (segment None) of tokens [B, S+1]'s inputs, or model.segments[segment] on
+    the streams `carry` -> its output (run_segment's)."""
+    inputs = tokens[:, :-1]
+    if segment is None:
+        return model.streams(inputs)
+    positions, _ = model.defaults(inputs, None, segment_ids)
+    return run_segment(model.segments[segment], carry, inputs, positions, segment_ids, None)
+
+
 def _mesh_set(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
@@ -161,14 +171,11 @@ def segment_steps(key: str, routed: tuple[int, ...], mesh):
     def run_part(part, model, carry, batch):
         tokens, mask, segment_ids, values, a = batch
         tokens, mask, segment_ids = tokens[a], mask[a], segment_ids[a]
-        inputs = tokens[:, :-1]
-        positions, _ = model.defaults(inputs, None, segment_ids)
         kind, i, _ = part
-        if kind == "embed":
-            return model.streams(inputs)
-        if kind == "segment":
-            return run_segment(model.segments[i], carry, inputs, positions, segment_ids, None)
+        if kind != "head":
+            return _forward_part(model, i, carry, tokens, segment_ids)
         h, records = carry
+        positions, _ = model.defaults(tokens[:, :-1], None, segment_ids)
         out = model.outputs(h, records, positions, segment_ids, None,
                             tokens[:, 1:] if cfg.mtp_num_layers > 0 else None)
         return loss_terms(cfg, model, out, tokens, mask, segment_ids, routed, values)
@@ -264,7 +271,7 @@ class InferenceChain(typing.NamedTuple):
 @functools.cache
 def inference_chain(mesh) -> InferenceChain:
     """make_eval_step's and make_score_step's steps as chains of programs (`step_programs:
-    segments`, _chain_step): the model's forward cut as _segment_steps cuts it, the embedding's
+    segments`, _chain_step): the model's forward cut as segment_steps cuts it, the embedding's
     program then one per segment, shared by both steps, then a small program of each's own (the
     cross-entropy and counts; the top-k blocks' scores). No program holds the whole model."""
 
@@ -272,13 +279,8 @@ def inference_chain(mesh) -> InferenceChain:
     def infer(segment, graphdef, state, carry, tokens, segment_ids):
         """The embedding (segment None) or one segment -> its output."""
         model = nnx.merge(graphdef.value, state)
-        inputs = tokens[:, :-1]
         with precision_scope(model.matmul_precision):
-            if segment is None:
-                return model.streams(inputs)
-            positions, _ = model.defaults(inputs, None, segment_ids)
-            return run_segment(model.segments[segment], carry, inputs, positions, segment_ids,
-                               None)
+            return _forward_part(model, segment, carry, tokens, segment_ids)
 
     @functools.partial(jax.jit, static_argnums=0)
     def evaluate(graphdef, state, h, records, tokens, mask, segment_ids):

@@ -280,7 +280,7 @@ def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False,
     variable, the hash tables too, so none is built from the data. program: the config of the
     step the run runs (train's), by which shared_draws() shares the draw."""
     key = config_key(program) if program is not None and _draws is not None else None
-    if key in (_draws or {}):
+    if key is not None and key in _draws:
         model = nnx.clone(_draws[key])
     else:
         tables = (placeholder_hash_tables(cfg) if restoring
