@@ -93,7 +93,14 @@ def exit_at_once(code: int) -> None:
     threads, JAX's pending effects) and what it wrote is flushed, without Python's clean-up at
     exit: there JAX's atexit hook destroys the accelerator's client, which on a TPU v5e took
     4.6 s after `moebalance ab` (2026-12-07), and the operating system releases the same at
-    exit. Only for entry points, after main returned: every file it wrote is closed by then."""
+    exit. Only for entry points, after main returned: every file it wrote is closed by then.
+
+    One process of several (`jax.distributed`) first shuts the distributed runtime down, as
+    JAX's hook would: that waits until every process has come to its own shutdown, and the
+    coordinator's service, which the others poll, stops only then. Without it the coordinator
+    left at once and each process still running (writing its output, or slower to finish its
+    last step) ended with "Terminating process because the JAX distributed service detected
+    fatal errors" (SIGABRT), its output cut."""
     import logging
     import threading
 
@@ -101,7 +108,10 @@ def exit_at_once(code: int) -> None:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     if "jax" in sys.modules:
-        sys.modules["jax"].effects_barrier()
+        jax = sys.modules["jax"]
+        jax.effects_barrier()
+        if jax.distributed.is_initialized():
+            jax.distributed.shutdown()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
