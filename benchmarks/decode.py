@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from moebalance.config import load_config
+from moebalance.config import load_config, override_keys
 from moebalance.generate import sample_tokens
 from moebalance.model.transformer import DeepSeekV4
 from moebalance.runtime import reexec_with_hugepage_malloc
@@ -44,7 +44,8 @@ def best_time(fn, repeats: int) -> float:
 
 def bench(config: str, overrides: list[str], context: int, new: int, repeats: int) -> dict:
     # random hash tables: the balanced ones need training data, and decoding speed does not
-    cfg = load_config(config, [*overrides, "hash_table=random", f"max_target_length={context}"])
+    cfg = load_config(config, [*overrides, "hash_table=random", f"max_target_length={context}"],
+                      given=override_keys(overrides))
     model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, context).tolist()
     out = {"config": config, "layers": cfg.base_num_decoder_layers, "context": context,

@@ -80,8 +80,7 @@ def nemo(peer_python: str, script: Path, vocab: int, batch: int, seq: int, steps
 def ours(vocab: int, batch: int, seq: int, steps: int) -> dict:
     run = subprocess.run([sys.executable, str(HERE / "model_step.py"), "--batch", str(batch),
                           "--seq", str(seq), "--steps", str(steps), "--dtypes", "float32",
-                          "dataset_type=synthetic", f"vocab_size={vocab}",
-                          f"tokenizer_vocab_size={vocab}"],
+                          "dataset_type=synthetic", f"vocab_size={vocab}"],
                          check=True, capture_output=True, text=True)
     return json.loads(run.stdout.strip().splitlines()[-1])
 

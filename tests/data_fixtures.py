@@ -45,8 +45,8 @@ def text_config(tmp_path, root, **overrides):
     values = dict(dataset_type="text", dataset_path=[str(root)], vocab_size=512,
                   tokenizer_vocab_size=300, data_cache_dir=str(tmp_path / "cache"),
                   max_target_length=SEQ, per_device_batch_size=2, gradient_accumulation_steps=2,
-                  eval_fraction=0.3)
-    return load_config("deepseek4-smoke", {**values, **overrides})
+                  eval_fraction=0.3)  # the tests' preset: what a test gives is its overrides
+    return load_config("deepseek4-smoke", {**values, **overrides}, given=overrides)
 
 
 def documents_of(stream: np.ndarray, eot_id: int) -> list[np.ndarray]:

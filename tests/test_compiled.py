@@ -143,8 +143,7 @@ def test_auto_is_chosen_once_for_runs_that_share_a_program(monkeypatch):
     mesh = types.SimpleNamespace(devices=np.array([device]))
     monkeypatch.setattr(compiled, "_CHOSEN", {})
     run_b = load_config("deepseek4-smoke", ["remat_policy=auto", "steps=3"])
-    run_a = load_config("deepseek4-smoke", ["remat_policy=auto", "steps=5", "routed_bias=false",
-                                            "routed_bias_update_rate=0"])
+    run_a = load_config("deepseek4-smoke", ["remat_policy=auto", "steps=5", "routed_bias=false"])
     assert compiled.resolve_remat(run_b, mesh).remat_policy == "save_experts"
     assert compiled.resolve_remat(run_a, mesh) == dataclasses.replace(run_a,
                                                                       remat_policy="save_experts")

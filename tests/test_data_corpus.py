@@ -1,6 +1,7 @@
 """The corpus (files; the embedded default corpus is tests/test_default_corpus.py's) and the
 train/held-out split by document hash: moebalance.data.corpus."""
 
+import os
 import random
 from pathlib import Path
 
@@ -91,5 +92,44 @@ def test_unreadable_file_or_directory_is_an_error(tmp_path, corpus):
     with pytest.raises(data.DataError, match="dataset_path.*cannot read .*mod_0.py .*chmod"):
         data.corpus_files(text_config(tmp_path, root))
     root.chmod(0)
-    with pytest.raises(data.DataError, match="dataset_path.*cannot read .*corpus \\(Permission"):
+    with pytest.raises(data.DataError, match="dataset_path.*corpus' cannot be read \\(permission "
+                                             "denied; chmod a\\+rX"):
         data.corpus_files(text_config(tmp_path, root))
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: os.mkfifo(p), "is not a regular file \\(a device, pipe or socket\\)"),
+    (lambda p: p.symlink_to(p.parent / "gone"), "is a link to .*gone, which does not exist"),
+    (lambda p: None, "does not exist"),
+])
+def test_a_named_path_that_cannot_be_read_says_why(tmp_path, corpus, make, problem):
+    """A pipe was called missing ("does not exist") before: each entry's problem is named."""
+    root, _ = corpus
+    make(tmp_path / "entry")
+    with pytest.raises(data.DataError, match=f"^config key `dataset_path`: '.*entry' {problem}; "
+                                             "give existing files or directories"):
+        data.corpus_files(text_config(tmp_path, root, dataset_path=[str(root),
+                                                                    str(tmp_path / "entry")]))
+
+
+def test_permission_problems_are_named_whoever_runs_the_tests(tmp_path, monkeypatch):
+    """paths.problem's refusals of permission, made to happen for root too (root reads files of
+    mode 000): a directory that cannot be listed, a file that cannot be opened, a path below a
+    directory that cannot be searched."""
+    from moebalance import paths
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    assert paths.problem(tmp_path / "dir", "either") is None
+    assert paths.problem(tmp_path / "file") is None
+    monkeypatch.setattr(os, "scandir", refuse)
+    assert paths.problem(tmp_path / "dir", "either") == paths.UNREADABLE
+    monkeypatch.setattr(Path, "open", refuse)
+    assert paths.problem(tmp_path / "file") == paths.UNREADABLE
+    monkeypatch.setattr(Path, "stat", refuse)
+    assert paths.problem(tmp_path / "file") == ("cannot be reached (permission denied on a "
+                                                "directory above it)")

@@ -101,7 +101,7 @@ def test_tokenizer_smaller_than_the_byte_alphabet_is_an_error(tmp_path, corpus):
         data.TextBatches(text_config(tmp_path, root, tokenizer_vocab_size=200), "train")
 
 
-@pytest.mark.parametrize("content", [b"just some text\n", b"", b'{"model": "not a tokenizer"}',
+@pytest.mark.parametrize("content", [b"just some text\n", b'{"model": "not a tokenizer"}',
                                      b"[1, 2, 3]", b"\xff\xfe binary"])
 def test_tokenizer_path_that_is_not_a_tokenizer_is_an_error(tmp_path, corpus, content):
     root, _ = corpus
@@ -122,4 +122,22 @@ def test_tokenizer_without_endoftext_is_an_error(tmp_path, corpus):
     tok.save(str(tmp_path / "tok.json"))
     cfg = text_config(tmp_path, root, tokenizer_path=str(tmp_path / "tok.json"))
     with pytest.raises(data.DataError, match="tokenizer_path.*no <\\|endoftext\\|> token"):
+        data.TextBatches(cfg, "train")
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), "is a directory, not a file"),
+    (lambda p: p.write_bytes(b""), "is empty"),
+    (lambda p: p.symlink_to(p.parent / "gone.json"), "is a link to .*gone.json, which does not "
+                                                      "exist"),
+])
+def test_tokenizer_path_that_cannot_be_read_says_why(tmp_path, corpus, make, problem):
+    """Checked before HF tokenizers parses it: the problem with the path itself, not a parser's
+    complaint."""
+    root, _ = corpus
+    make(tmp_path / "tok.json")
+    cfg = text_config(tmp_path, root, tokenizer_path=str(tmp_path / "tok.json"))
+    with pytest.raises(data.DataError, match=f"^config key `tokenizer_path`: '.*tok.json' "
+                                             f"{problem}; give a tokenizer.json or '' to train"):
         data.TextBatches(cfg, "train")

@@ -56,7 +56,8 @@ def test_token_files_with_a_held_out_file_and_their_errors(tmp_path):
     np.array([300, 1], np.uint16).tofile(tmp_path / "val.bin")
     with pytest.raises(ValueError, match="token ids >= vocab_size=256"):
         data.TextBatches(cfg, "eval")
-    with pytest.raises(ValueError, match="`tokenizer_path`: .* is not a file"):
+    with pytest.raises(ValueError, match="`tokenizer_path`: '/nope.json' does not exist; give a "
+                                         "tokenizer.json"):
         data.TextBatches(_tokens_config(tmp_path, tokenizer_path="/nope.json"))
     tokenizer = data.train_tokenizer(["some text"] * 3, 300)  # its <|endoftext|> is id 0, not 1
     tokenizer.save(str(tmp_path / "tok.json"))
@@ -99,7 +100,7 @@ def test_eot_id_beyond_the_dtype_is_an_error(tmp_path):
                                "bytes each\\); the file is truncated, or fix \"dtype\""),
     ("train.bin", b"", "train.bin is empty"),
     ("train.npy", b"\x01" * 7, "train.npy: not a whole .npy array"),
-    ("train.npy", b"", "train.npy: not a whole .npy array"),
+    ("train.npy", b"", "train.npy is empty; write its tokens again"),
 ])
 def test_token_file_that_is_not_whole_tokens_is_an_error(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
@@ -120,5 +121,48 @@ def test_truncated_npy_file_is_an_error(tmp_path):
 def test_unreadable_token_file_is_an_error(tmp_path, unreadable):
     _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
     (tmp_path / unreadable).chmod(0)
-    with pytest.raises(data.DataError, match=f"dataset_path.*cannot read .*{unreadable}"):
+    with pytest.raises(data.DataError, match=f"dataset_path.*{unreadable} cannot be read "
+                                             "\\(permission denied; chmod a\\+rX"):
         data.TextBatches(_tokens_config(tmp_path), "train")
+
+
+@pytest.mark.parametrize("name, make, problem", [
+    ("train.bin", lambda p: None, "does not exist"),
+    ("train.bin", lambda p: p.symlink_to(p.parent / "gone.bin"),
+     "is a link to .*gone.bin, which does not exist"),
+    ("file/train.bin", lambda p: p.parent.write_text("x"),
+     "does not exist \\(a part of the path above it is a file\\)"),
+])
+def test_a_token_path_that_does_not_exist_is_called_missing(tmp_path, name, make, problem):
+    """Issue 61: a dataset_path naming no file was called "not a token file"."""
+    make(tmp_path / name)
+    with pytest.raises(data.DataError, match=f"^config key `dataset_path`: '.*train.bin' "
+                                             f"{problem}; give token files \\(.bin/.npy\\)"):
+        data.TextBatches(_tokens_config(tmp_path / name), "train")
+
+
+def test_a_token_path_of_another_kind_says_which(tmp_path):
+    (tmp_path / "train.txt").write_text("5 6 7")
+    with pytest.raises(data.DataError, match="'.*train.txt' is not a token file \\(its name ends "
+                                             "neither in .bin nor .npy\\); give token files"):
+        data.TextBatches(_tokens_config(tmp_path / "train.txt"), "train")
+    _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
+    (tmp_path / "meta.json").unlink()
+    (tmp_path / "meta.json").mkdir()
+    with pytest.raises(data.DataError, match="the sidecar .*meta.json is a directory, not a file"):
+        data.TextBatches(_tokens_config(tmp_path / "train.bin"), "train")
+    (tmp_path / "meta.json").rmdir()
+    (tmp_path / "meta.json").write_text("")
+    with pytest.raises(data.DataError, match="the sidecar .*meta.json is empty; write a JSON"):
+        data.TextBatches(_tokens_config(tmp_path / "train.bin"), "train")
+
+
+@needs_permissions
+def test_an_unreadable_token_directory_is_an_error(tmp_path):
+    _token_dataset(tmp_path, [[5, 6, 7] * 20], 1, "uint16", ".bin")
+    tmp_path.chmod(0o300)  # searchable, not listable
+    try:
+        with pytest.raises(data.DataError, match="dataset_path.* cannot be read \\(permission"):
+            data.TextBatches(_tokens_config(tmp_path), "train")
+    finally:
+        tmp_path.chmod(0o700)

@@ -1,7 +1,8 @@
 """Write docs/config.md, every config key with its type, default and meaning, from the schema.
 
-The page is generated from `moebalance.config.describe()` (the (key, type, default, help) of every
-field of `moebalance.config.Config`, in the schema's order), so it cannot drift from the code:
+The page is generated from `moebalance.config.describe()` (the (key, type, default, help, when it
+takes effect) of every field of `moebalance.config.Config`, in the schema's order), so it cannot
+drift from the code:
 
     python tools/config_docs.py           # rewrite docs/config.md
     python tools/config_docs.py --check   # exit 1 (and say so) when docs/config.md is stale
@@ -31,6 +32,18 @@ neither the preset nor an override sets it) and its meaning. `moebalance keys [T
 same on the command line. How presets and overrides are read:
 [training.md](training.md#configs-presets-and-overrides).
 
+A key that only takes effect under a condition says so in the last column, e.g. the bias's rate
+only while `routed_bias` is true, the data keys only with `dataset_type` text (or tokens). A key
+**you** give (a `key=value` override, or a key of your own YAML file) that the final config makes
+moot is refused at load time, by name, with what it depends on and the fix, e.g.
+``config key `routed_bias_freeze_step`: has no effect with routed_bias=false (it takes effect with
+routed_bias true); leave routed_bias_freeze_step out, or set routed_bias=true``. Keys a preset sets
+are its defaults, not your choice, and are never refused this way; nor are those of a run's
+`config.yaml` (it records every key), nor those a command sets itself (the study's arms switch
+balancing off: a key you give for every arm is refused only when no arm takes it). The conditions
+are declared on the schema's fields (`Needs` in `moebalance/config.py`) and checked by one rule
+over all of them (`moebalance/config_rules.py`).
+
 """
 
 
@@ -56,9 +69,10 @@ def render() -> str:
     """The whole of docs/config.md as this script writes it."""
     from moebalance.config import describe
 
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
-    for key, kind, default, help_text in describe():
-        lines.append(f"| `{key}` | {_cell(kind)} | `{_cell(_value(default))}` | {_cell(help_text)} |")
+    lines = ["| key | type | default | meaning | takes effect with |", "|---|---|---|---|---|"]
+    for key, kind, default, help_text, when in describe():
+        lines.append(f"| `{key}` | {_cell(kind)} | `{_cell(_value(default))}` | {_cell(help_text)} "
+                     f"| {_cell(when)} |")
     return HEADER + "\n".join(lines) + "\n"
 
 

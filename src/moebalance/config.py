@@ -1,8 +1,10 @@
 """The one typed configuration schema, and loading presets with `key=value` overrides.
 
-Every key, its type, default and a one-line description live in `Config` below (MaxText's key names
-where MaxText has the concept). Presets under `moebalance/configs/*.yml` hold only differences from
-these defaults. An unknown key, a wrong type or a contradiction fails at load time, naming the key.
+Every key, its type, default, a one-line description and what it `Needs` to take effect live in
+`Config` below (MaxText's key names where MaxText has the concept). Presets under
+`moebalance/configs/*.yml` hold only differences from these defaults. An unknown key, a wrong type,
+a contradiction (config_rules.validate) or a key the user gave that the rest of the config makes
+moot (config_rules.moot_keys) fails at load time, naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from moebalance.paths import problem
 
 PRESET_DIR = Path(__file__).parent / "configs"
 DISPATCH_MODES = ("auto", "blocked", "ragged")  # the MoE layer's expert layouts (model/moe.py)
@@ -27,10 +32,36 @@ MATMUL_PRECISIONS = ("auto", "default", "high", "highest")  # model/layers.matmu
 DROP_POLICIES = ("probs", "position")  # what goes over capacity first (model/dispatch.py)
 
 
-def _key(default, help: str):
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a key needs to take effect: key `on` holding a value that `holds` accepts (`wanted`
+    says which in words; `fix` is one such value, as an override spells it)."""
+
+    on: str
+    holds: Callable[[Any], bool]
+    wanted: str
+    fix: str
+
+
+TEXT_OR_TOKENS = Needs("dataset_type", lambda v: v != "synthetic", "text or tokens", "text")
+TEXT = Needs("dataset_type", lambda v: v == "text", "text", "text")
+BIAS = Needs("routed_bias", bool, "true", "true")
+
+
+def _positive(value) -> bool:
+    return value > 0
+
+
+HASHED = Needs("first_num_hash_layers", _positive, "> 0", "1")
+
+
+def _key(default, help: str, *needs: Needs):
+    """A field of the schema: its default, its one-line meaning and what it `Needs` to take
+    effect (config_rules.moot_keys: a key the user gives without it is refused)."""
+    metadata = {"help": help, "needs": needs}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
@@ -75,7 +106,8 @@ class Config:
     topk_routing_group: int = _key(0, "groups kept per token")
     swiglu_limit: float = _key(0.0, "SwiGLU clamp limit (0 = off)")
     capacity_factor: float = _key(-1.0, "expert capacity factor (<= 0: dropless)")
-    drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest (position)")
+    drop_policy: str = _key("probs", "over capacity, drop lowest weight (probs) or latest "
+                            "(position)", Needs("capacity_factor", _positive, "> 0", "1.25"))
     moe_dispatch: str = _key("auto", "blocked | ragged | auto (ragged on TPU, else blocked)")
     moe_block_size: int = _key(256, "rows per block of the blocked dispatch; on the ragged "
                                "one, megablox's row tile")
@@ -85,11 +117,13 @@ class Config:
                            "Pallas kernels for TPU) | pallas (Triton kernels for NVIDIA GPUs, "
                            "blocked layout only); Pallas kernels run interpreted off their backend")
     first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
-    hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced")
-    hash_table_seed: int = _key(0, "seed of the random hash table")
+    hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced",
+                           HASHED)
+    hash_table_seed: int = _key(0, "seed of the random hash table", HASHED)
     # --- MTP ---
     mtp_num_layers: int = _key(0, "multi-token-prediction layers (0 or 1)")
-    mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss")
+    mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss",
+                                          Needs("mtp_num_layers", _positive, "1", "1"))
     # --- numerics and compilation ---
     dtype: str = _key("float32", "activation dtype (router, bias, hyper-connections stay fp32)")
     weight_dtype: str = _key("float32", "parameter dtype")
@@ -112,27 +146,29 @@ class Config:
     routed_bias: bool = _key(True, "update the aux-loss-free selection bias after each step")
     routed_bias_update_rate: float = _key(-1.0, "bias step size (gamma; for quantile the damping "
                                           "in (0, 1]); 0 freezes the bias; -1: the rule's default "
-                                          "(sign 1e-3, proportional 1e-4, fraction 1, quantile 1)")
-    routed_bias_update_rule: str = _key("sign", "sign | proportional | fraction | quantile")
-    routed_bias_freeze_step: int = _key(-1, "bias rate becomes 0 from this step on (-1: never)")
+                                          "(sign 1e-3, proportional 1e-4, fraction 1, quantile 1)",
+                                          BIAS)
+    routed_bias_update_rule: str = _key("sign", "sign | proportional | fraction | quantile", BIAS)
+    routed_bias_freeze_step: int = _key(-1, "bias rate becomes 0 from this step on (-1: never)",
+                                        BIAS)
     routed_bias_update_rate_final_fraction: float = _key(
         1.0, "the bias rate follows a cosine from its value to value * this at the last step "
-        "(1: constant)")
+        "(1: constant)", BIAS)
     routed_bias_calibration_batches: int = _key(
         0, "after the last step, refit every top-k bias at the final weights on the next N "
         "(fresh, never trained on) training batches (undamped Quantile Balancing on all their "
         "tokens) and keep it: the saved bias balances the data as the final weights route it "
-        "(0: keep the online bias; runs without routed_bias skip it)")
+        "(0: keep the online bias)", BIAS)
     probe_batches: int = _key(8, "held-out micro-batches measured before the first step and "
                               "after the last (the first is the probe of the seed's table): the "
                               "A/B report's mean summed variance and its spread over them")
     probe_refit_batches: int = _key(8, "after the last step, also measure the probe with every "
                                     "top-k bias refitted to balance this many fresh training "
                                     "batches (after the calibration's): what a perfectly "
-                                    "estimated bias reaches (0 = off; runs without routed_bias "
-                                    "skip it)")
+                                    "estimated bias reaches (0 = off)", BIAS)
     load_balance_loss_weight: float = _key(0.0, "weight of the sequence-wise balance loss")
-    sequence_loss_mode: str = _key("deepseek", "sequence loss: deepseek (paper) | maxtext")
+    sequence_loss_mode: str = _key("deepseek", "sequence loss: deepseek (paper) | maxtext",
+                                   Needs("load_balance_loss_weight", _positive, "> 0", "0.0001"))
     global_balance_loss_weight: float = _key(0.0, "weight of the global-batch (Switch) loss")
     router_z_loss_weight: float = _key(0.0, "weight of the router z-loss")
     # --- training ---
@@ -151,20 +187,25 @@ class Config:
                              "Lines, Parquet files) | tokens (pre-tokenized .bin/.npy files)")
     dataset_path: list[str] = _key([], "files or directories (text, JSON Lines, Parquet; token "
                                    "files for dataset_type tokens); empty: the embedded default "
-                                   "corpus (CPython 3.11.7's standard-library sources, fixed)")
-    dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories")
+                                   "corpus (CPython 3.11.7's standard-library sources, fixed)",
+                                   TEXT_OR_TOKENS)
+    dataset_glob: str = _key("*.py", "file pattern searched inside dataset_path directories", TEXT)
     dataset_text_field: str = _key("text", "the field (JSON Lines) or column (Parquet) holding "
-                                   "each record's text")
-    tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and cache it)")
-    tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= vocab_size)")
-    eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation")
+                                   "each record's text", TEXT)
+    tokenizer_path: str = _key("", "an existing tokenizer.json ('' : train a byte-level BPE and "
+                               "cache it)", TEXT_OR_TOKENS)
+    tokenizer_vocab_size: int = _key(8192, "vocabulary of the trained byte-level BPE (<= "
+                                     "vocab_size)", TEXT, Needs("tokenizer_path", lambda v: not v,
+                                                                "'' (the BPE is trained)", "''"))
+    eval_fraction: float = _key(0.02, "share of the text documents held out for evaluation (of "
+                                "a token file without a held-out file, its tail)", TEXT_OR_TOKENS)
     eval_period: int = _key(0, "validate every this many steps and after the last: loss, "
                             "perplexity and per-layer MaxVio_global on the held-out split, in "
                             "the step's record (0 = off)")
     eval_batches: int = _key(8, "global batches of the held-out split each validation measures, "
                              "the same ones every time (at most the split's)")
     data_cache_dir: str = _key("", "where tokenizers and token streams are cached "
-                               "('' : $XDG_CACHE_HOME/moebalance or ~/.cache/moebalance)")
+                               "('' : $XDG_CACHE_HOME/moebalance or ~/.cache/moebalance)", TEXT)
     seed: int = _key(0, "seed of the initial weights and the data order")
     # --- devices ---
     ici_data_parallelism: int = _key(1, "mesh axis `data` size (-1: the devices left)")
@@ -184,153 +225,13 @@ class Config:
     max_num_checkpoints_to_keep: int = _key(3, "keep the last N checkpoints")
 
     def __post_init__(self):
+        from moebalance.config_rules import validate
+
         validate(self)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be run; the message names the key and the fix."""
-
-
-def _require(ok: bool, key: str, message: str):
-    if not ok:
-        raise ConfigError(f"config key `{key}`: {message}")
-
-
-def validate(c: Config) -> None:
-    layers = c.base_num_decoder_layers
-    for key in ("vocab_size", "base_emb_dim", "base_num_decoder_layers", "base_num_query_heads",
-                "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "index_n_heads",
-                "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
-                "max_target_length"):
-        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
-    _require(c.sliding_window_size > 0, "sliding_window_size",
-             f"must be > 0, got {c.sliding_window_size}")
-    _require(c.base_num_kv_heads == 1, "base_num_kv_heads",
-             "DeepSeek-V4 attention has exactly one shared K=V head; set it to 1")
-    _require(len(c.compress_ratios) in (layers, layers + c.mtp_num_layers), "compress_ratios",
-             f"has {len(c.compress_ratios)} entries for base_num_decoder_layers={layers} "
-             f"(give one per layer, optionally + one per MTP layer)")
-    _require(all(r == 0 or r >= 2 for r in c.compress_ratios), "compress_ratios",
-             f"entries must be 0 (off) or >= 2, got {c.compress_ratios}")
-    _require(0 <= c.first_num_hash_layers <= layers, "first_num_hash_layers",
-             f"must be in [0, base_num_decoder_layers={layers}], got {c.first_num_hash_layers}")
-    _require(c.base_num_query_heads % c.o_groups == 0, "o_groups",
-             f"base_num_query_heads={c.base_num_query_heads} is not divisible by "
-             f"o_groups={c.o_groups}")
-    for key, width in (("head_dim", c.head_dim), ("index_head_dim", c.index_head_dim)):
-        _require(0 < c.qk_rope_head_dim <= width and c.qk_rope_head_dim % 2 == 0,
-                 "qk_rope_head_dim", f"must be even and in (0, {key}={width}], "
-                 f"got {c.qk_rope_head_dim}")
-    _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
-    _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
-             f"unknown policy {c.remat_policy!r}; choose one of {REMAT_POLICIES}")
-    _require(c.step_programs in STEP_PROGRAMS, "step_programs",
-             f"unknown value {c.step_programs!r}; choose one of {STEP_PROGRAMS}")
-    _require(c.matmul_precision in MATMUL_PRECISIONS, "matmul_precision",
-             f"unknown precision {c.matmul_precision!r}; choose one of {MATMUL_PRECISIONS}")
-    _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
-    longest = int(c.original_max_position_embeddings * c.rope_factor)
-    _require(c.max_target_length <= longest, "max_target_length",
-             f"{c.max_target_length} is longer than the model supports: "
-             f"original_max_position_embeddings x rope_factor = {longest}; shorten it or raise "
-             "rope_factor (YaRN)")
-    from moebalance.routing import HASH_TABLES
-
-    _require(c.hash_table in HASH_TABLES, "hash_table",
-             f"unknown method {c.hash_table!r}; choose one of {sorted(HASH_TABLES)}")
-    from moebalance.balancing import BIAS_RULES
-
-    rules = (*BIAS_RULES, "quantile")
-    _require(c.routed_bias_update_rule in rules, "routed_bias_update_rule",
-             f"unknown rule {c.routed_bias_update_rule!r}; choose one of {rules}")
-    _require(c.routed_bias_update_rate >= 0 or c.routed_bias_update_rate == -1,
-             "routed_bias_update_rate", f"must be >= 0 (or -1: the rule's default), got "
-             f"{c.routed_bias_update_rate}")
-    _require(c.routed_bias_update_rule != "quantile" or c.routed_bias_update_rate <= 1,
-             "routed_bias_update_rate", "for the quantile rule it is the damping: in [0, 1], got "
-             f"{c.routed_bias_update_rate}")
-    _require(0 <= c.routed_bias_update_rate_final_fraction <= 1,
-             "routed_bias_update_rate_final_fraction",
-             f"must be in [0, 1] (1: a constant rate), got "
-             f"{c.routed_bias_update_rate_final_fraction}")
-    _require(c.routed_bias_calibration_batches >= 0, "routed_bias_calibration_batches",
-             f"must be >= 0 (0 turns the calibration off), got "
-             f"{c.routed_bias_calibration_batches}")
-    _require(c.probe_batches >= 1, "probe_batches",
-             f"must be >= 1 (the first is the probe), got {c.probe_batches}")
-    _require(c.probe_refit_batches >= 0, "probe_refit_batches",
-             f"must be >= 0 (0 turns the refit off), got {c.probe_refit_batches}")
-    for key in ("load_balance_loss_weight",
-                "global_balance_loss_weight", "router_z_loss_weight", "learning_rate",
-                "adam_weight_decay", "gradient_clipping_threshold"):
-        _require(getattr(c, key) >= 0, key, f"must be >= 0, got {getattr(c, key)}")
-    _require(c.sequence_loss_mode in ("deepseek", "maxtext"), "sequence_loss_mode",
-             f"must be 'deepseek' or 'maxtext', got {c.sequence_loss_mode!r}")
-    _require(c.dataset_type in ("synthetic", "text", "tokens"), "dataset_type",
-             f"must be 'synthetic', 'text' or 'tokens', got {c.dataset_type!r}")
-    for key in ("dataset_path", "tokenizer_path"):
-        _require(c.dataset_type != "synthetic" or not getattr(c, key), key,
-                 f"has no effect with dataset_type 'synthetic' (seeded random tokens); set "
-                 f"dataset_type=text (or tokens) to train on it, or leave {key} out")
-    _require(c.dataset_type != "tokens" or bool(c.dataset_path), "dataset_path",
-             "dataset_type 'tokens' needs the token files (or their directory) in dataset_path")
-    _require(0 < c.eval_fraction < 1, "eval_fraction", f"must be in (0, 1), got {c.eval_fraction}")
-    _require(2 <= c.tokenizer_vocab_size, "tokenizer_vocab_size",
-             f"must be >= 2, got {c.tokenizer_vocab_size}")
-    _require(c.dataset_type != "text" or c.tokenizer_path != ""
-             or c.tokenizer_vocab_size <= c.vocab_size,
-             "tokenizer_vocab_size", f"{c.tokenizer_vocab_size} exceeds the model's "
-             f"vocab_size={c.vocab_size}; lower it or raise vocab_size")
-    for key in ("steps", "per_device_batch_size", "gradient_accumulation_steps",
-                "checkpoint_period", "max_num_checkpoints_to_keep", "eval_batches"):
-        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
-    _require(c.eval_period >= 0, "eval_period", f"must be >= 0 (0 = off), got {c.eval_period}")
-    _require(0 <= c.warmup_steps_fraction < 1, "warmup_steps_fraction",
-             f"must be in [0, 1), got {c.warmup_steps_fraction}")
-    ep = c.ici_expert_parallelism
-    _require(ep >= 1 or ep == -1, "ici_expert_parallelism", f"must be >= 1 or -1, got {ep}")
-    _require(ep < 1 or c.num_experts % ep == 0, "ici_expert_parallelism",
-             f"num_experts={c.num_experts} is not divisible by {ep} expert-parallel ranks; choose "
-             f"a divisor of num_experts")
-    if c.routed_device_limit:
-        _require(ep >= 2, "routed_device_limit", f"needs ici_expert_parallelism >= 2 set "
-                 f"explicitly (the ranks are the routing groups), got {ep}")
-        _require(c.n_routing_groups == 0, "routed_device_limit",
-                 "replaces n_routing_groups / topk_routing_group (groups = expert-parallel "
-                 "ranks); set n_routing_groups=0")
-    _validate_moe(c)
-
-
-def _validate_moe(c: Config) -> None:
-    """The MoE layer's settings, each error naming its key (model.moe.MoEConfig checks the same
-    facts for the layer used on its own)."""
-    import jax.numpy as jnp
-
-    from moebalance import routing
-
-    for key in ("num_experts", "base_moe_mlp_dim", "moe_block_size"):
-        _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
-    _require(c.shared_experts >= 0, "shared_experts", f"must be >= 0, got {c.shared_experts}")
-    _require(c.swiglu_limit >= 0, "swiglu_limit", f"must be >= 0 (0 = off), got {c.swiglu_limit}")
-    _require(c.drop_policy in DROP_POLICIES, "drop_policy",
-             f"unknown policy {c.drop_policy!r}; choose one of {DROP_POLICIES}")
-    _require(c.moe_dispatch in DISPATCH_MODES, "moe_dispatch",
-             f"unknown layout {c.moe_dispatch!r}; choose one of {DISPATCH_MODES}")
-    _require(c.moe_kernel in EXPERT_KERNELS, "moe_kernel",
-             f"unknown kernel {c.moe_kernel!r}; choose one of {EXPERT_KERNELS}")
-    _require(not (c.moe_kernel == "pallas" and c.moe_dispatch == "ragged"), "moe_kernel",
-             "pallas (Triton) takes blocked rows; set moe_dispatch=blocked or choose another "
-             "kernel")
-    checks = (("num_experts_per_tok", routing.check_topk, (c.num_experts_per_tok, c.num_experts)),
-              ("routed_score_func", routing.check_score_fn, (c.routed_score_func,)),
-              ("n_routing_groups", routing.check_groups,
-               (c.num_experts, c.num_experts_per_tok, c.n_routing_groups, c.topk_routing_group)),
-              ("dtype", jnp.dtype, (c.dtype,)), ("weight_dtype", jnp.dtype, (c.weight_dtype,)))
-    for key, check, args in checks:
-        try:
-            check(*args)
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"config key `{key}`: {err}") from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,17 +316,21 @@ def _unknown(key: str, known) -> ConfigError:
     return ConfigError(f"unknown config key `{key}`{hint} (`moebalance keys` lists them all)")
 
 
-def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = None) -> Config:
+def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = None, *,
+                given: Iterable[str] | None = None) -> Config:
     """A preset name (e.g. 'deepseek4-tiny') or a YAML path, then overrides ('key=value' strings
-    read by the key's type (`parse_override`), or a dict)."""
+    read by the key's type (`parse_override`), or a dict). A key the user gave that the config
+    makes moot is refused (config_rules.moot_keys); `given` names the user's keys where the
+    caller knows better (default: the overrides' keys and a YAML file's, a preset's excepted)."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = PRESET_DIR / f"{name_or_path}.yml"
         if not path.exists():
             raise ConfigError(f"no config named {name_or_path!r}; presets: {', '.join(presets())}"
                               " (or give a path to a YAML file)")
-    elif not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    elif wrong := problem(path):
+        raise ConfigError(f"config file {str(path)!r} {wrong}; give a YAML file or a preset "
+                          f"({', '.join(presets())})")
     try:
         values = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -435,8 +340,12 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
     types = _field_types()
+    # a preset's keys are its defaults, a run's config.yaml (every key) the record of a config
+    record = path.resolve().parent == PRESET_DIR.resolve() or set(values) >= set(types)
+    mine = set() if record else set(values)
     if isinstance(overrides, dict):
         values.update(overrides)
+        mine.update(overrides)
     else:
         for item in overrides or []:
             key, sep, raw = item.partition("=")
@@ -446,10 +355,14 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
             if key not in types:
                 raise _unknown(key, types)
             values[key] = parse_override(key, raw, types[key])
+            mine.add(key)
     for key in values:
         if key not in types:
             raise _unknown(key, types)
     values = {k: _check_type(k, v, types[k]) for k, v in values.items()}
+    from moebalance.config_rules import refuse_moot
+
+    refuse_moot({**defaults(), **values}, mine if given is None else set(given))
     try:
         return Config(**values)
     except ConfigError as err:
@@ -459,10 +372,13 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
         raise ConfigError(f"{missing_path_message(missing[0])}; then {err}") from None
 
 
+DATASET_FIX = "give existing files or directories (or [] for the embedded default corpus)"
+
+
 def missing_path_message(entry: str) -> str:
-    """What to say of a `dataset_path` entry that does not exist."""
-    return (f"config key `dataset_path`: {entry!r} does not exist; give existing files or "
-            "directories (or [] for the embedded default corpus)")
+    """What to say of a `dataset_path` entry that does not exist (data.errors.checked_path says
+    the same)."""
+    return f"config key `dataset_path`: {entry!r} does not exist; {DATASET_FIX}"
 
 
 def _missing_dataset_paths(values: dict) -> list[str]:
@@ -474,13 +390,25 @@ def _missing_dataset_paths(values: dict) -> list[str]:
     return [e for e in values.get("dataset_path", []) if not Path(e).expanduser().exists()]
 
 
-def describe() -> list[tuple[str, str, Any, str]]:
-    """(key, type, default, help) for every key of the schema."""
-    types = _field_types()
+def override_keys(overrides: Iterable[str]) -> list[str]:
+    """The keys of 'key=value' overrides."""
+    return [item.partition("=")[0].strip() for item in overrides]
+
+
+def defaults() -> dict[str, Any]:
+    """Every key's default value."""
+    return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING
+            else f.default for f in dataclasses.fields(Config)}
+
+
+def describe() -> list[tuple[str, str, Any, str, str]]:
+    """(key, type, default, help, when it takes effect: its `Needs` in words, '' for always) for
+    every key of the schema."""
+    types, default = _field_types(), defaults()
     rows = []
     for f in dataclasses.fields(Config):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         kind = types[f.name]
         name = kind.__name__ if isinstance(kind, type) else str(kind).replace("typing.", "")
-        rows.append((f.name, name, default, f.metadata["help"]))
+        when = " and ".join(f"{need.on} {need.wanted}" for need in f.metadata["needs"])
+        rows.append((f.name, name, default[f.name], f.metadata["help"], when))
     return rows

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from moebalance.atomic import write_atomic
-from moebalance.config import Config, load_config
+from moebalance.config import Config, load_config, override_keys
+from moebalance.config_rules import moot_keys, refuse_moot
 from moebalance.rundir import RunDir, RunDirError, RunStopped
 from moebalance.training.hooks import mean_topk_maxvio, mean_topk_maxvio_global, terminal
 from moebalance.training.loop import train
@@ -91,13 +92,17 @@ def arm_configs(config: str | Path, overrides: list[str], arms: list[Arm]) -> li
     leaves it 0, becomes a tenth of the steps."""
     cfgs = []
     for arm in arms:
-        cfg = load_config(config, [*STUDY_DEFAULTS, *overrides, *OFF, *arm.overrides])
+        own = () if arm.overrides == ARMS.get(arm.name) else arm.overrides  # the user's
+        cfg = load_config(config, [*STUDY_DEFAULTS, *overrides, *OFF, *arm.overrides],
+                          given=override_keys(own))
         if cfg.first_num_hash_layers >= cfg.base_num_decoder_layers:
             raise ValueError(f"every layer of {config} is hash-routed "
                              f"(first_num_hash_layers={cfg.first_num_hash_layers}): no routing "
                              "to balance; lower first_num_hash_layers")
         cfgs.append(cfg if cfg.eval_period else
                     dataclasses.replace(cfg, eval_period=max(1, cfg.steps // 10)))
+    moot = [set(moot_keys(vars(c), override_keys(overrides))) for c in cfgs]
+    refuse_moot(vars(cfgs[0]), set.intersection(*moot))  # the user's keys moot in every arm
     return cfgs
 
 

@@ -144,12 +144,13 @@ def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: st
 
 
 def _keys(args) -> int:
-    """Every config key with its type, default and meaning."""
+    """Every config key with its type, default and meaning (and when it takes effect)."""
     from moebalance.config import describe
 
-    for key, kind, default, help_text in describe():
+    for key, kind, default, help_text, when in describe():
         if args.filter in key:
-            print(f"{key} ({kind}, default {default!r}): {help_text}")
+            print(f"{key} ({kind}, default {default!r}): {help_text}"
+                  + (f" [takes effect with {when}]" if when else ""))
     return 0
 
 

@@ -16,13 +16,12 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
-from moebalance.config import Config
+from moebalance.config import DATASET_FIX, Config
 from moebalance.data import default_corpus
-from moebalance.data.errors import DataError, missing_path, unreadable
+from moebalance.data.errors import DataError, checked_path, unreadable
 from moebalance.data.records import is_record_file, read_records
 
 log = logging.getLogger(__name__)
@@ -78,19 +77,13 @@ def _candidates(cfg: Config) -> Iterator[tuple[str, Path]]:
     """(name, path) of every file of `dataset_path` matching the config, valid or not, in no
     particular order."""
     for entry in sorted(cfg.dataset_path):
-        root = Path(entry).expanduser()
+        root = checked_path("dataset_path", entry, "either", DATASET_FIX)
         if root.is_file():
             yield root.name, root
-        elif root.is_dir():
-            try:  # rglob lists an unreadable directory as empty
-                os.scandir(root).close()
-            except PermissionError as err:
-                raise unreadable(root, err) from None
+        else:  # a readable directory (rglob lists an unreadable one as empty)
             for path in root.rglob(cfg.dataset_glob):
                 if path.is_file():
                     yield path.relative_to(root).as_posix(), path
-        else:
-            raise missing_path(entry)
 
 
 def corpus_documents(cfg: Config) -> list[Document]:

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from moebalance.atomic import write_atomic
 from moebalance.config import Config
 from moebalance.data.corpus import Document, split_texts
-from moebalance.data.errors import DataError
+from moebalance.data.errors import DataError, checked_path
 from moebalance.runtime import user_cache_root
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,8 @@ def load_tokenizer(cfg: Config, train_docs: list[Document]) -> tuple[Tokenizer, 
     `tokenizers` version, and trained only when absent. Literal '<|endoftext|>' in a text is
     encoded as text (`encode_special_tokens`), so only the pipeline places end-of-text ids."""
     if cfg.tokenizer_path:
-        source = Path(cfg.tokenizer_path).expanduser()
-        if not source.is_file():
-            raise DataError(f"config key `tokenizer_path`: {cfg.tokenizer_path!r} is not a file; "
-                            "give a tokenizer.json or '' to train a byte-level BPE")
+        source = checked_path("tokenizer_path", cfg.tokenizer_path, "file", "give a "
+                              "tokenizer.json or '' to train a byte-level BPE", empty=False)
         tokenizer = read_tokenizer(
             source, f"config key `tokenizer_path`: cannot load {source} as a tokenizer "
             "({reason}); give a tokenizer.json as HF tokenizers' Tokenizer.save writes it, or '' "

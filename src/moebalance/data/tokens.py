@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from moebalance.config import Config
-from moebalance.data.errors import DataError, unreadable
+from moebalance.data.errors import DataError, checked_path
+from moebalance.paths import problem
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 TOKEN_DTYPES = ("uint16", "uint32", "int32")
@@ -23,16 +24,16 @@ def token_files(cfg: Config) -> tuple[Path, Path | None]:
     """(training file, held-out file or None) named by `dataset_path`: token files (.bin/.npy),
     or directories holding them. A file whose stem is one of HELD_OUT_STEMS (nanoGPT's val.bin)
     is the held-out split; exactly one other file is the training split."""
-    found = []
+    found, fix = [], f"give token files ({'/'.join(TOKEN_SUFFIXES)}) or directories holding them"
     for entry in cfg.dataset_path:
-        root = Path(entry).expanduser()
+        root = checked_path("dataset_path", entry, "either", fix)
         if root.is_dir():
             found += sorted(p for p in root.iterdir() if p.suffix in TOKEN_SUFFIXES)
-        elif root.is_file() and root.suffix in TOKEN_SUFFIXES:
+        elif root.suffix in TOKEN_SUFFIXES:
             found.append(root)
         else:
             raise DataError(f"config key `dataset_path`: {entry!r} is not a token file "
-                            f"({'/'.join(TOKEN_SUFFIXES)}) or a directory holding them")
+                            f"(its name ends neither in {' nor '.join(TOKEN_SUFFIXES)}); {fix}")
     held = [p for p in found if p.stem in HELD_OUT_STEMS]
     train = [p for p in found if p.stem not in HELD_OUT_STEMS]
     if len(train) != 1 or len(held) > 1:
@@ -47,8 +48,12 @@ def read_token_file(path: Path, vocab_size: int) -> tuple[np.ndarray, int]:
     `meta.json` beside it, gives {"dtype": one of TOKEN_DTYPES, "eot_id": the id that ends every
     document (the document boundaries), in [0, vocab_size)}; a .npy file's own header must agree
     on the dtype, a raw file must hold a whole number of tokens."""
+    wrong = problem(path, empty=False)
+    if wrong:
+        raise DataError(f"config key `dataset_path`: token file {path} {wrong}; write its tokens "
+                        "again, or leave it out")
     sidecar = next((p for p in (path.with_name(path.name + ".json"), path.with_name("meta.json"))
-                    if p.is_file()), None)
+                    if p.exists()), None)
     if sidecar is None:
         raise DataError(f"{path} has no sidecar: write {path.name}.json (or meta.json beside it) "
                         f"holding {SIDECAR_EXAMPLE} with your dtype and end-of-text id")
@@ -59,27 +64,24 @@ def read_token_file(path: Path, vocab_size: int) -> tuple[np.ndarray, int]:
     if eot_id > np.iinfo(dtype).max:
         raise DataError(f"{sidecar}: eot_id {eot_id} does not fit its dtype {dtype}; fix "
                         "\"eot_id\" or \"dtype\" in the sidecar")
-    try:
-        if path.suffix == ".npy":
-            return _read_npy(path, dtype, sidecar), eot_id
-        size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
-        if size == 0:
-            raise DataError(f"{path} is empty; write its tokens again, or leave it out")
-        if size % itemsize:
-            raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
-                            f"({itemsize} bytes each); the file is truncated, or fix \"dtype\" "
-                            f"in its sidecar {sidecar.name}")
-        return np.memmap(path, dtype=dtype, mode="r"), eot_id
-    except PermissionError as err:
-        raise unreadable(path, err) from None
+    if path.suffix == ".npy":
+        return _read_npy(path, dtype, sidecar), eot_id
+    size, itemsize = path.stat().st_size, np.dtype(dtype).itemsize
+    if size % itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype} tokens "
+                        f"({itemsize} bytes each); the file is truncated, or fix \"dtype\" "
+                        f"in its sidecar {sidecar.name}")
+    return np.memmap(path, dtype=dtype, mode="r"), eot_id
 
 
 def _read_sidecar(sidecar: Path) -> tuple[str, int]:
     """(dtype, eot_id) of a token file's sidecar JSON."""
+    wrong = problem(sidecar, empty=False)
+    if wrong:
+        raise DataError(f"config key `dataset_path`: the sidecar {sidecar} {wrong}; write a JSON "
+                        f"object such as {SIDECAR_EXAMPLE} into it")
     try:
         meta = json.loads(sidecar.read_bytes())
-    except PermissionError as err:
-        raise unreadable(sidecar, err) from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise DataError(f"{sidecar}: not JSON ({err}); write a JSON object such as "
                         f"{SIDECAR_EXAMPLE}") from None
