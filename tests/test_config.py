@@ -96,11 +96,13 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks" / "configs"
 # against it (those its test refuses are the switch off).
 SWITCHED_ON = {"dataset_type": "text", "vocab_size": 8192, "tokenizer_path": "",
                "routed_bias": True, "load_balance_loss_weight": 0.001, "mtp_num_layers": 1,
-               "capacity_factor": 1.25, "first_num_hash_layers": 2}
+               "capacity_factor": 1.25, "first_num_hash_layers": 2, "hash_table": "random",
+               "rope_factor": 16.0}
 TRIED = {"dataset_type": ["synthetic", "tokens", "text"], "tokenizer_path": ["tok.json", ""],
          "routed_bias": [False, True], "load_balance_loss_weight": [0.0, 0.001],
          "mtp_num_layers": [0, 1], "capacity_factor": [-1.0, 0.0, 1.25],
-         "first_num_hash_layers": [0, 2]}
+         "first_num_hash_layers": [0, 2], "hash_table": ["zeros", "balanced", "random"],
+         "rope_factor": [1.0, 16.0]}
 
 
 def _moot_cases():
@@ -161,17 +163,19 @@ def test_the_shipped_configs_give_no_key_without_effect(tmp_path, path):
 
 
 def test_a_runs_config_yaml_loads_whatever_it_holds(tmp_path):
-    """A run's config.yaml records every key (Run A's: the bias off, its rate 0): a record of a
-    config, not keys chosen one by one, so it loads as it is (`train ... --resume`)."""
+    """A run's config.yaml records every key the trainer knew (Run A's: the bias off, its rate
+    0; an older run's lacks the keys added since): the record of a config, not keys chosen one by
+    one, so it loads as it is (`train RUN/config.yaml --resume`); the same keys in a file of the
+    user's are the user's."""
     cfg = dataclasses.replace(load_config("deepseek4-smoke"), routed_bias=False,
                               routed_bias_update_rate=0.0, routed_bias_calibration_batches=4)
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg)))
-    assert load_config(tmp_path / "config.yaml") == cfg
     values = dataclasses.asdict(cfg)
-    del values["seed"]  # no longer every key: the user's
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(values))
+    del values["eval_batches"]  # an older run's
+    for name in ("config.yaml", "mine.yaml"):
+        (tmp_path / name).write_text(yaml.safe_dump(values))
+    assert load_config(tmp_path / "config.yaml") == cfg
     with pytest.raises(ConfigError, match="`routed_bias_update_rate`: has no effect"):
-        load_config(tmp_path / "config.yaml")
+        load_config(tmp_path / "mine.yaml")
 
 
 def test_the_study_refuses_only_what_is_moot_in_every_arm():

@@ -39,10 +39,10 @@ moot is refused at load time, by name, with what it depends on and the fix, e.g.
 ``config key `routed_bias_freeze_step`: has no effect with routed_bias=false (it takes effect with
 routed_bias true); leave routed_bias_freeze_step out, or set routed_bias=true``. Keys a preset sets
 are its defaults, not your choice, and are never refused this way; nor are those of a run's
-`config.yaml` (it records every key), nor those a command sets itself (the study's arms switch
-balancing off: a key you give for every arm is refused only when no arm takes it). The conditions
-are declared on the schema's fields (`Needs` in `moebalance/config.py`) and checked by one rule
-over all of them (`moebalance/config_rules.py`).
+`config.yaml` (the trainer's record of a config, loaded as it is to resume), nor those a command
+sets itself (the study's arms switch balancing off: a key you give for every arm is refused only
+when no arm takes it). The conditions are declared on the schema's fields (`Needs` in
+`moebalance/config.py`) and checked by one rule over all of them (`moebalance/config_rules.py`).
 
 """
 

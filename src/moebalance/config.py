@@ -53,6 +53,7 @@ def _positive(value) -> bool:
 
 
 HASHED = Needs("first_num_hash_layers", _positive, "> 0", "1")
+YARN = Needs("rope_factor", lambda v: v > 1, "> 1 (YaRN)", "16")
 
 
 def _key(default, help: str, *needs: Needs):
@@ -85,8 +86,8 @@ class Config:
     compress_rope_theta: float = _key(160000.0, "RoPE theta of compressed layers")
     rope_factor: float = _key(1.0, "YaRN factor on compressed layers (1 = no YaRN)")
     original_max_position_embeddings: int = _key(65536, "YaRN original context length")
-    beta_fast: float = _key(32.0, "YaRN beta_fast")
-    beta_slow: float = _key(1.0, "YaRN beta_slow")
+    beta_fast: float = _key(32.0, "YaRN beta_fast", YARN)
+    beta_slow: float = _key(1.0, "YaRN beta_slow", YARN)
     index_n_heads: int = _key(4, "lightning-indexer heads")
     index_head_dim: int = _key(32, "lightning-indexer head width")
     index_topk: int = _key(16, "compressed entries each query keeps on CSA layers")
@@ -119,7 +120,8 @@ class Config:
     first_num_hash_layers: int = _key(0, "leading blocks routed by a token-id hash table")
     hash_table: str = _key("random", "hash table: zeros | round_robin | random | balanced",
                            HASHED)
-    hash_table_seed: int = _key(0, "seed of the random hash table", HASHED)
+    hash_table_seed: int = _key(0, "seed of the random hash table", HASHED,
+                                Needs("hash_table", lambda v: v == "random", "random", "random"))
     # --- MTP ---
     mtp_num_layers: int = _key(0, "multi-token-prediction layers (0 or 1)")
     mtp_loss_scaling_factor: float = _key(0.1, "weight of the MTP loss",
@@ -340,8 +342,11 @@ def load_config(name_or_path: str | Path, overrides: list[str] | dict | None = N
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: a config file must be a mapping of keys to values")
     types = _field_types()
-    # a preset's keys are its defaults, a run's config.yaml (every key) the record of a config
-    record = path.resolve().parent == PRESET_DIR.resolve() or set(values) >= set(types)
+    from moebalance.rundir import CONFIG
+
+    # a preset's keys are its defaults; a run's config.yaml (rundir: a directory holds a run once
+    # its config.yaml is there), written by the trainer, the record of a config
+    record = path.resolve().parent == PRESET_DIR.resolve() or path.name == CONFIG
     mine = set() if record else set(values)
     if isinstance(overrides, dict):
         values.update(overrides)
