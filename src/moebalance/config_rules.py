@@ -169,7 +169,7 @@ def moot_keys(values: Mapping[str, Any], keys: Iterable[str]) -> dict[str, str]:
             value = values[need.on]
             if not need.holds(value):
                 moot[field.name] = (
-                    f"config key `{field.name}`: has no effect with {need.on}={spell(value)} (it "
+                    f"config key `{field.name}`: has no effect with {need.on}={_spell(value)} (it "
                     f"takes effect with {need.on} {need.wanted}); leave {field.name} out, or set "
                     f"{need.on}={need.fix}")
                 break
@@ -183,7 +183,7 @@ def refuse_moot(values: Mapping[str, Any], keys: Iterable[str]) -> None:
         raise ConfigError("; ".join(moot.values()))
 
 
-def spell(value) -> str:
+def _spell(value) -> str:
     """A value as a `key=value` override spells it: true/false, '' for empty text."""
     if isinstance(value, bool):
         return "true" if value else "false"
