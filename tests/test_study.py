@@ -2,8 +2,10 @@
 the smoke model, stopped by SIGINT and continued by the same command, bit-exactly, its
 validations equal to `eval` of the checkpoints."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 
@@ -11,9 +13,11 @@ import numpy as np
 import pytest
 
 from moebalance import cli
+from moebalance.config import Config
 from moebalance.metrics import load_stats
+from moebalance.report.study import claims
 from moebalance.rundir import RunDir, RunDirError, RunStopped
-from moebalance.study import ARMS, Arm, arm_configs, arms_from, study, summarize
+from moebalance.study import ARM_KEYS, ARMS, Arm, arm_configs, arms_from, study, summarize
 from moebalance.training.hooks import Hook
 from moebalance.training.step import _conflicts, shared_programs
 from moebalance.training.evaluate import evaluate
@@ -167,7 +171,13 @@ def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moe
     assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep")]) == 0
     page = (tmp_path / "rep" / "report.html").read_text()
     assert page.count("data:image/png;base64") == 3 and "MaxVio_global: loss-free" in page
-    assert "| loss-free |" in (tmp_path / "rep" / "study.md").read_text()
+    table = (tmp_path / "rep" / "study.md").read_text()
+    assert "| loss-free |" in table
+    # what a validation measured, by name: the first eval_batches batches and their tokens
+    assert (f"MaxVio_global: (max - mean) / mean of the expert counts over the first 1 held-out "
+            f"global batches ({measured['tokens']:,} tokens, the same at every validation)"
+            in table) and "all the validation tokens" not in page
+    assert "on one seed's digits" in table  # one seed: no margin to weigh the difference
     # a report is never replaced silently, but for the study's own, rebuilt in its folder
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep")]) == 2
@@ -175,3 +185,120 @@ def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moe
     assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "rep"),
                      "--overwrite"]) == 0
     assert cli.main(["report", str(tmp_path / "cut"), "--out", str(tmp_path / "cut")]) == 0
+
+
+def test_an_arm_varies_its_balancing_alone():
+    # the built-in arms are balancing recipes, and ARM_KEYS names keys of the schema
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert set(ARM_KEYS) <= fields
+    assert all(o.split("=")[0] in ARM_KEYS for overrides in ARMS.values() for o in overrides)
+    arms_from([["a", *(f"{key}=1" for key in ARM_KEYS)]])  # every balancing key is taken
+    with pytest.raises(ValueError, match="arm 'b' may not set seed: .*--seeds S1 S2"):
+        arms_from([["aux"], ["b", "routed_bias=true", "seed=7"]])
+    # every other key of the schema is refused: the model, the data, the steps, the evaluation
+    for key in sorted(fields - set(ARM_KEYS) - {"seed"}):
+        with pytest.raises(ValueError, match=f"arm 'b' may not set {key}: it is not a "
+                                             "balancing key.*before the first --arm"):
+            arms_from([["aux"], ["b", f"{key}=3"]])
+    with pytest.raises(ValueError, match="may not set routed_bais: no such balancing key; did "
+                                         "you mean routed_bias"):
+        arms_from([["b", "routed_bais=true"]])
+    with pytest.raises(ValueError, match="'routed_bias' is not key=value"):
+        arms_from([["b", "routed_bias"]])
+    # on the command line, as issue 62 tried it
+    for arm in (["b", "seed=7"], ["b", "steps=3"]):
+        assert cli.main(["study", "deepseek4-smoke", "--out", "unused", "--arm", "aux",
+                         "--arm", *arm]) == 2
+    # seeds: by --seeds alone, every arm once per seed
+    args = cli.build_parser().parse_args(
+        ["study", "deepseek4-smoke", "--out", "d", "--arm", "aux", "--seeds", "3", "5"])
+    assert args.seeds == [3, 5] and args.arm == [["aux"]]
+    cfgs = arm_configs("deepseek4-smoke", [], arms_from([["aux"], ["loss-free"]]), [3, 5])
+    assert [(c.global_balance_loss_weight, c.seed) for c in cfgs] == [
+        (1e-3, 3), (1e-3, 5), (0, 3), (0, 5)]
+    with pytest.raises(ValueError, match="seeds by --seeds alone"):
+        arm_configs("deepseek4-smoke", ["seed=1"], arms_from(None), [3, 5])
+    with pytest.raises(ValueError, match="different seeds"):
+        arm_configs("deepseek4-smoke", [], arms_from(None), [3, 3])
+
+
+def test_a_study_continues_only_on_the_same_global_batch(tmp_path, monkeypatch):
+    import jax
+
+    import moebalance.study as study_module
+
+    arms = arms_from([["aux"]])
+    plan = study_module._plan({"config": "deepseek4-smoke", "overrides": SMOKE, "seeds": None,
+                               "arms": [{"name": "aux", "overrides": list(ARMS["aux"])}]})
+    cfgs = arm_configs("deepseek4-smoke", SMOKE, arms)
+    started = study_module._start(tmp_path, plan, cfgs, overwrite=False)
+    devices = jax.device_count()
+    assert started["batch"] == {"sequences": 4 * devices, "micro_batches": 1,
+                                "sequence_length": 32}
+    assert started["tokens_per_step"] == 4 * devices * 32 and started["devices"] == devices
+    # the same study on twice the devices: twice the rows a step, refused before any training
+    monkeypatch.setattr(jax, "device_count", lambda: 2 * devices)
+    refused = (f"trained on 1 micro-batch\\(es\\) of {4 * devices} x 32 tokens on {devices} "
+               f"device\\(s\\); here a step would be 1 micro-batch\\(es\\) of {8 * devices} x 32 "
+               f"tokens on {2 * devices} device\\(s\\).*--overwrite or another --out")
+    with pytest.raises(RunDirError, match=refused):
+        study("deepseek4-smoke", SMOKE, arms, tmp_path)
+    # a study.json written before the batch was recorded: its tokens per step decide
+    older = {k: v for k, v in started.items() if k not in ("batch", "devices", "seeds")}
+    (tmp_path / "study.json").write_text(json.dumps(older))
+    with pytest.raises(RunDirError, match=f"trained on {4 * devices * 32:,} tokens a step"):
+        study("deepseek4-smoke", SMOKE, arms, tmp_path)
+    assert not (tmp_path / "aux").exists()
+
+
+def _finished(name, seed, ppl, maxvio):
+    return {"name": name, "overrides": [], "seed": seed, "finished": True, "val_ppl": ppl,
+            "maxvio_global": maxvio}
+
+
+@pytest.mark.parametrize("free,aux,verdict", [
+    # means 10.4 vs 10.2: +0.2 within the margin 0.4 (aux's range, the larger)
+    ([10.3, 10.5], [10.0, 10.4], "the difference \\+0.200 against a margin of 0.400 .*no "
+                                 "worse, within the spread: holds"),
+    ([10.0, 10.1], [10.5, 10.6], "-0.500 against a margin of 0.100 .*lower beyond the spread: "
+                                 "holds"),
+    ([11.0, 11.1], [10.0, 10.2], "\\+0.950 against a margin of 0.200 .*higher beyond the "
+                                 "spread: does not hold"),
+    ([10.3], [10.2], "loss-free's is higher: does not hold on one seed's digits \\(no "
+                     "seed-to-seed spread"),
+    ([10.1], [10.2], "loss-free's is lower or equal: holds on one seed's digits"),
+])
+def test_the_perplexity_claim_states_its_margin(free, aux, verdict):
+    runs = [*(_finished("loss-free", s, p, 0.05) for s, p in enumerate(free)),
+            *(_finished("aux", s, p, 0.5) for s, p in enumerate(aux)), _finished("none", 0, 9, 1)]
+    seeds = None if len(free) == 1 else list(range(len(free)))
+    balance, ppl = claims({"seeds": seeds, "arms": runs})
+    assert re.search(verdict, ppl), ppl
+    assert balance.startswith("MaxVio_global" + ("" if seeds is None else " (means over 2 and "
+                                                 "2 seeds)") + ": loss-free 0.050, aux 0.500")
+
+
+def test_a_study_over_seeds_weighs_the_perplexity_against_their_spread(tmp_path):
+    smoke = ["steps=1", "eval_batches=1", "probe_batches=1", "max_target_length=32",
+             "per_device_batch_size=4"]
+    arms = arms_from([["aux"], ["loss-free"]])
+    result = study("deepseek4-smoke", smoke, arms, tmp_path, seeds=[0, 1])
+    assert result["seeds"] == [0, 1]
+    assert [(a["name"], a["seed"], a["finished"]) for a in result["arms"]] == [
+        ("aux", 0, True), ("aux", 1, True), ("loss-free", 0, True), ("loss-free", 1, True)]
+    for name in ("aux", "loss-free"):
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["seed0", "seed1"]
+    # the first step's cross-entropy: one seed's weights and batch in both arms (no bias yet,
+    # the aux loss outside the cross-entropy), other weights and batches at the other seed
+    first = {(a["name"], a["seed"]): a["per_step"]["loss"][0] for a in result["arms"]}
+    assert first["aux", 0] == first["loss-free", 0] and first["aux", 1] == first["loss-free", 1]
+    assert first["aux", 0] != first["aux", 1]
+    ppl = {(a["name"], a["seed"]): a["val_ppl"] for a in result["arms"]}
+    margin = max(abs(ppl[n, 0] - ppl[n, 1]) for n in ("aux", "loss-free"))
+    difference = (ppl["loss-free", 0] + ppl["loss-free", 1] - ppl["aux", 0] - ppl["aux", 1]) / 2
+    table = (tmp_path / "study.md").read_text()
+    assert f"the difference {difference:+.3f} against a margin of {margin:.3f}" in table
+    assert "| aux (seed 1) |" in table and "| loss-free (seed 0) |" in table
+    # the same study without its seeds is another study
+    with pytest.raises(RunDirError, match="holds another study.*seeds \\[0, 1\\]"):
+        study("deepseek4-smoke", smoke, arms, tmp_path)

@@ -2,23 +2,28 @@
 compares loss-free balancing with an auxiliary loss (docs/study.md).
 
 Every arm trains the same model from the same initial weights on the same batches; an arm is a
-set of config overrides on top of the config with all balancing off (`ARMS` are the built-in
-ones). Each validates on the held-out split every `eval_period` steps (training/validation.py):
-the validation loss and MaxVio_global, the MaxVio of the counts over all its held-out tokens;
-each training step's record has MaxVio_batch, that of the step's global batch. The study's
-numbers average the top-k layers (hash-routed layers follow a fixed table, the same in every arm).
+set of balancing overrides (ARM_KEYS alone: anything else would break that promise) on top of the
+config with all balancing off (`ARMS` are the built-in ones). `seeds` runs every arm once per
+seed (the initial weights and the data order), for the seed-to-seed spread the claims measure a
+difference against. Each run validates on the first `eval_batches` global batches of the
+held-out split every `eval_period` steps (training/validation.py): the validation loss and
+MaxVio_global, the MaxVio of the counts over those tokens; each training step's record has
+MaxVio_batch, that of the step's global batch. The study's numbers average the top-k layers
+(hash-routed layers follow a fixed table, the same in every arm).
 
-DIR holds one run directory per arm (DIR/<arm>), study.json (the plan, then each arm's result)
-and the report (report/study.py). Running the same command again continues a stopped study: the
-arms study.json records as finished are kept (their run directories are no longer read: a study
-can move to another machine as study.json alone), an unfinished one resumes from its latest
-checkpoint, bit-exactly.
+DIR holds one run directory per arm (DIR/<arm>; with seeds DIR/<arm>/seed<S>), study.json (the
+plan, then each run's result) and the report (report/study.py). Running the same command again
+continues a stopped study: the runs study.json records as finished are kept (their run
+directories are no longer read: a study can move to another machine as study.json alone), an
+unfinished one resumes from its latest checkpoint, bit-exactly; a continuation whose global batch
+differs (another device count) is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import json
 import re
 import shutil
@@ -56,6 +61,16 @@ ARMS = {
                  "routed_bias_update_rate=-1"),
 }
 DEFAULT_ARMS = ("none", "aux", "loss-free")
+# The keys an arm may set: the balancing recipe (the bias, its rule and schedule, the balance
+# losses, the capacity that drops tokens, what runs after the last step). Every other key shapes
+# what all arms must share: the model and its initial weights (seed), the data and batches, the
+# steps and learning rate, the evaluation; such a key applies to every arm (before the first
+# --arm), seeds vary by `seeds`.
+ARM_KEYS = ("routed_bias", "routed_bias_update_rate", "routed_bias_update_rule",
+            "routed_bias_freeze_step", "routed_bias_update_rate_final_fraction",
+            "routed_bias_calibration_batches", "probe_refit_batches",
+            "load_balance_loss_weight", "sequence_loss_mode", "global_balance_loss_weight",
+            "router_z_loss_weight", "capacity_factor", "drop_policy")
 LAST_EVALS = 3  # the spread of an arm's result: over its last this many validations
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -79,6 +94,8 @@ def arms_from(specs: list[list[str]] | None) -> list[Arm]:
         if not overrides and name not in ARMS:
             raise ValueError(f"no built-in arm {name!r} (built-in: {', '.join(ARMS)}); give "
                              f"its overrides: --arm {name} key=value ...")
+        for override in overrides:
+            _check_arm_key(name, override)
         arms.append(Arm(name, tuple(overrides) or ARMS[name]))
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
@@ -86,14 +103,51 @@ def arms_from(specs: list[list[str]] | None) -> list[Arm]:
     return arms
 
 
-def arm_configs(config: str | Path, overrides: list[str], arms: list[Arm]) -> list[Config]:
-    """Each arm's config: the study's defaults, the user's overrides, all balancing off, then the
-    arm's overrides; validated every one before anything runs. eval_period, when the config
-    leaves it 0, becomes a tenth of the steps."""
+def _check_arm_key(name: str, override: str) -> None:
+    """Refuse an arm's override of anything but ARM_KEYS, naming the key and why."""
+    key = override.split("=", 1)[0].strip()
+    if "=" not in override:
+        raise ValueError(f"arm {name!r}: {override!r} is not key=value")
+    if key in ARM_KEYS:
+        return
+    if key == "seed":
+        why = ("every arm starts from the same initial weights and batches; run every arm "
+               "with several seeds by --seeds S1 S2 ...")
+    elif key in {f.name for f in dataclasses.fields(Config)}:
+        why = ("it is not a balancing key, and the arms must share everything else (model, "
+               "initial weights, data, batches, steps, evaluation); give it before the first "
+               "--arm to apply it to every arm")
+    else:
+        close = difflib.get_close_matches(key, ARM_KEYS, n=1)
+        why = "no such balancing key" + (f"; did you mean {close[0]}?" if close else "")
+    raise ValueError(f"arm {name!r} may not set {key}: {why} (an arm sets only "
+                     f"{', '.join(ARM_KEYS)})")
+
+
+def runs_of(arms: list[Arm], seeds: list[int] | None) -> list[tuple[Arm, int | None]]:
+    """The study's runs, (arm, seed) in order: every arm once per seed (None: the config's)."""
+    return [(arm, seed) for arm in arms for seed in (seeds or [None])]
+
+
+def run_dir(out: Path, arm: str, seed: int | None) -> Path:
+    """A run's directory: DIR/<arm>, with seeds DIR/<arm>/seed<S>."""
+    return out / arm if seed is None else out / arm / f"seed{seed}"
+
+
+def arm_configs(config: str | Path, overrides: list[str], arms: list[Arm],
+                seeds: list[int] | None = None) -> list[Config]:
+    """Each run's config (runs_of's order): the study's defaults, the user's overrides, all
+    balancing off, the arm's overrides, then its seed; validated every one before anything runs.
+    eval_period, when the config leaves it 0, becomes a tenth of the steps."""
+    if seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
+        raise ValueError("give the seeds by --seeds alone, not also seed=... among the overrides")
+    if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"--seeds takes one or more different seeds, got {seeds}")
     cfgs = []
-    for arm in arms:
+    for arm, seed in runs_of(arms, seeds):
         own = () if arm.overrides == ARMS.get(arm.name) else arm.overrides  # the user's
-        cfg = load_config(config, [*STUDY_DEFAULTS, *overrides, *OFF, *arm.overrides],
+        cfg = load_config(config, [*STUDY_DEFAULTS, *overrides, *OFF, *arm.overrides,
+                                   *([] if seed is None else [f"seed={seed}"])],
                           given=override_keys(own))
         if cfg.first_num_hash_layers >= cfg.base_num_decoder_layers:
             raise ValueError(f"every layer of {config} is hash-routed "
@@ -107,27 +161,29 @@ def arm_configs(config: str | Path, overrides: list[str], arms: list[Arm]) -> li
 
 
 def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, *,
-          overwrite: bool = False, console=None, progress: bool = True,
-          hooks: list = ()) -> dict:
-    """Train every arm into out/<arm> (continuing what an earlier call of the same study left),
-    write study.json after each and the report at the end; returns study.json's content.
-    overwrite: replace another study (or anything else) in `out`. console: a rich Console to
-    show the arms on (None prints nothing). hooks: more sinks of every arm's run (training/
-    hooks.py)."""
+          seeds: list[int] | None = None, overwrite: bool = False, console=None,
+          progress: bool = True, hooks: list = ()) -> dict:
+    """Train every arm, once per seed of `seeds` (None: once, at the config's seed), into its
+    run_dir (continuing what an earlier call of the same study left), write study.json after
+    each run and the report at the end; returns study.json's content. overwrite: replace another
+    study (or anything else) in `out`. console: a rich Console to show the runs on (None prints
+    nothing). hooks: more sinks of every run (training/hooks.py)."""
     from moebalance.report.study import study_report
 
     out = Path(out)
-    cfgs = arm_configs(config, overrides, arms)
-    plan = _plan({"config": str(config), "overrides": list(overrides),
+    cfgs = arm_configs(config, overrides, arms, seeds)
+    runs = runs_of(arms, seeds)
+    plan = _plan({"config": str(config), "overrides": list(overrides), "seeds": seeds,
                   "arms": [{"name": a.name, "overrides": list(a.overrides)} for a in arms]})
-    result = _start(out, plan, cfgs[0], overwrite)
-    for i, (arm, cfg, program) in enumerate(zip(arms, cfgs, shared_programs(cfgs))):
-        run = RunDir(out / arm.name)
+    result = _start(out, plan, cfgs, overwrite)
+    for i, ((arm, seed), cfg, program) in enumerate(zip(runs, cfgs, shared_programs(cfgs))):
+        run = RunDir(run_dir(out, arm.name, seed))
         if result["arms"][i]["finished"]:  # recorded: its run directory is no longer needed
             continue
         if console is not None:
             what = " ".join(arm.overrides) or "no balancing"
-            console.rule(f"arm {i + 1}/{len(arms)}, {arm.name}: {what} ({run.path})")
+            seeded = "" if seed is None else f", seed {seed}"
+            console.rule(f"run {i + 1}/{len(runs)}, {arm.name}{seeded}: {what} ({run.path})")
         if not run.finished(cfg.steps):
             shown = terminal(console, bar=progress, per_block=False) if console else []
             try:
@@ -136,33 +192,41 @@ def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, 
             except RunStopped as stop:
                 raise RunStopped(stop.signum, stop.step, "run the same command again to "
                                  "continue the study") from None
-        result["arms"][i] = summarize(arm, run.metrics())
+        result["arms"][i] = {**summarize(arm, run.metrics()), "seed": cfg.seed}
         _write(out, result)
     if jax.process_index() == 0:
         study_report(result, out, console)
     return result
 
 
-def _start(out: Path, plan: dict, cfg: Config, overwrite: bool) -> dict:
-    """study.json's content to go on from: the earlier one in `out` if it holds the same plan,
-    else a new one (over anything in `out` only with `overwrite`)."""
+def _start(out: Path, plan: dict, cfgs: list[Config], overwrite: bool) -> dict:
+    """study.json's content to go on from: the earlier one in `out` if it holds the same plan
+    and trains on the same global batch, else a new one (over anything in `out` only with
+    `overwrite`)."""
     path = out / STUDY
+    cfg = cfgs[0]
+    batch = global_batch(cfg)
     if path.exists() and not overwrite:
         earlier = json.loads(path.read_text())
         if _plan(earlier) != plan:
             raise RunDirError(
                 f"{out} holds another study (config {earlier.get('config')!r}, overrides "
-                f"{earlier.get('overrides')}, arms {[a['name'] for a in earlier['arms']]}); "
-                "pass --overwrite to replace it or choose another --out")
+                f"{earlier.get('overrides')}, arms {[a['name'] for a in _plan(earlier)['arms']]}"
+                f", seeds {earlier.get('seeds')}); pass --overwrite to replace it or choose "
+                "another --out")
+        _check_batch(out, earlier, batch)
         return earlier
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise RunDirError(f"{out} is not empty and holds no {STUDY}; pass --overwrite to "
                           "replace what it holds or choose another --out")
-    tokens = (cfg.gradient_accumulation_steps * cfg.per_device_batch_size * jax.device_count()
-              * cfg.max_target_length)
     result = {**plan, "date": datetime.date.today().isoformat(), "steps": cfg.steps,
-              "eval_period": cfg.eval_period, "tokens_per_step": tokens,
-              "arms": [{**arm, "finished": False} for arm in plan["arms"]]}
+              "eval_period": cfg.eval_period, "eval_batches": cfg.eval_batches,
+              "tokens_per_step": (batch["sequences"] * batch["micro_batches"]
+                                  * batch["sequence_length"]),
+              "batch": batch, "devices": jax.device_count(),
+              "arms": [{"name": arm.name, "overrides": list(arm.overrides), "seed": c.seed,
+                        "finished": False}
+                       for (arm, _), c in zip(runs_of(_arms(plan), plan["seeds"]), cfgs)]}
     for arm in plan["arms"] if overwrite and jax.process_index() == 0 else ():
         if (out / arm["name"]).is_dir():
             shutil.rmtree(out / arm["name"])
@@ -170,11 +234,43 @@ def _start(out: Path, plan: dict, cfg: Config, overwrite: bool) -> dict:
     return result
 
 
+def global_batch(cfg: Config) -> dict:
+    """What defines a step's batches (data/batching.py): the sequences of a global micro-batch
+    (every device's rows), the micro-batches of a step, the sequence length."""
+    return {"sequences": cfg.per_device_batch_size * jax.device_count(),
+            "micro_batches": cfg.gradient_accumulation_steps,
+            "sequence_length": cfg.max_target_length}
+
+
+def _check_batch(out: Path, earlier: dict, batch: dict) -> None:
+    """Refuse to continue a study on another global batch (study.json's `batch`; one written
+    before it was recorded: its tokens_per_step)."""
+    recorded = earlier.get("batch")
+    tokens = batch["sequences"] * batch["micro_batches"] * batch["sequence_length"]
+    if recorded == batch or (recorded is None and earlier.get("tokens_per_step") == tokens):
+        return
+    was = (f"{earlier.get('tokens_per_step'):,} tokens a step" if recorded is None else
+           f"{recorded['micro_batches']} micro-batch(es) of {recorded['sequences']} x "
+           f"{recorded['sequence_length']} tokens on {earlier.get('devices')} device(s)")
+    raise RunDirError(
+        f"{out}'s study trained on {was}; here a step would be {batch['micro_batches']} "
+        f"micro-batch(es) of {batch['sequences']} x {batch['sequence_length']} tokens on "
+        f"{jax.device_count()} device(s): other batches, no longer a comparison; continue it "
+        "where the global batch is the same (the same device count), or start a new study "
+        "(--overwrite or another --out)")
+
+
+def _arms(plan: dict) -> list[Arm]:
+    return [Arm(arm["name"], tuple(arm["overrides"])) for arm in plan["arms"]]
+
+
 def _plan(study: dict) -> dict:
-    """What makes a study the same study: its config, overrides and arms."""
+    """What makes a study the same study: its config, overrides, seeds and arms (study.json's
+    `arms` are its runs: an arm's once per seed)."""
+    arms = {arm["name"]: arm["overrides"] for arm in study.get("arms", [])}
     return {"config": study.get("config"), "overrides": study.get("overrides"),
-            "arms": [{"name": arm["name"], "overrides": arm["overrides"]}
-                     for arm in study.get("arms", [])]}
+            "seeds": study.get("seeds"),
+            "arms": [{"name": name, "overrides": overrides} for name, overrides in arms.items()]}
 
 
 def _write(out: Path, result: dict) -> None:
@@ -188,8 +284,8 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
     steps done, validation loss and perplexity, MaxVio_global, and the mean MaxVio_batch and
     training cross-entropy (without balance losses) of the steps since the previous point), the
     last point's values, their spread (min, max) over the last LAST_EVALS points, per layer the
-    last MaxVio_global and MaxVio_batch, the median tokens/s, and the per-step training
-    cross-entropy and MaxVio_batch."""
+    last MaxVio_global and MaxVio_batch, the tokens a validation measures, the median tokens/s,
+    and the per-step training cross-entropy and MaxVio_batch."""
     routing = [row["routing"] for row in records[0]["layers"]]
     batch = np.array([[row["maxvio"] for row in r["layers"]] for r in records])  # [steps, L]
     per_step = [mean_topk_maxvio(r) for r in records]
@@ -204,6 +300,7 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
                       "maxvio_global": mean_topk_maxvio_global(r),
                       "maxvio_batch": _mean(per_step[window]),
                       "train_loss": _mean([x["ce"] for x in records[window]]),
+                      "tokens": r["validation"]["tokens"],
                       "layers": {"maxvio_global": glob,
                                  "maxvio_batch": batch[window].mean(0).tolist()}})
         since = n + 1
@@ -213,11 +310,13 @@ def summarize(arm: Arm, records: list[dict]) -> dict:
     return {"name": arm.name, "overrides": list(arm.overrides), "finished": True,
             **{key: last[key] for key in ("val_loss", "val_ppl", "maxvio_global",
                                           "maxvio_batch", "train_loss")},
+            "val_tokens": last["tokens"],
             "spread": {key: [min(p[key] for p in tail), max(p[key] for p in tail)]
                        for key in ("val_loss", "val_ppl", "maxvio_global", "maxvio_batch")},
             "tokens_per_s": float(np.median([r["tokens_per_s"] for r in records])),
             "routing": routing, "layers": last["layers"],
-            "curve": [{k: v for k, v in p.items() if k != "layers"} for p in curve],
+            "curve": [{k: v for k, v in p.items() if k not in ("layers", "tokens")}
+                      for p in curve],
             "per_step": {"loss": [r["ce"] for r in records],
                          "maxvio_batch": per_step}}
 

@@ -35,8 +35,8 @@ def _study(args) -> int:
 
     from moebalance.study import arms_from, study
 
-    study(args.config, args.overrides, arms_from(args.arm), args.out, overwrite=args.overwrite,
-          console=Console(), progress=not args.quiet)
+    study(args.config, args.overrides, arms_from(args.arm), args.out, seeds=args.seeds,
+          overwrite=args.overwrite, console=Console(), progress=not args.quiet)
     return 0
 
 
@@ -144,8 +144,13 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
     study.add_argument("--out", required=True, help="the study's directory")
     study.add_argument("--arm", action="append", nargs="+", metavar=("NAME", "KEY=VALUE"),
                        help="an arm: a built-in (none, aux, aux-seq, loss-free, "
-                            "loss-free-seq, quantile) or a name and its overrides on top of no "
-                            "balancing; repeat for each (default: none, aux, loss-free)")
+                            "loss-free-seq, quantile) or a name and its balancing overrides on "
+                            "top of no balancing; repeat for each (default: none, aux, "
+                            "loss-free)")
+    study.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                       help="run every arm once per seed (initial weights and data order), "
+                            "into DIR/<arm>/seed<S>: the claims then weigh a difference against "
+                            "the seed-to-seed spread (default: once, at the config's seed)")
     study.add_argument("--overwrite", action="store_true",
                        help="replace another study (or anything) in --out")
     study.set_defaults(func=_study)

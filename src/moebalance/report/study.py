@@ -1,13 +1,15 @@
-"""A study's report (moebalance/study.py): from study.json alone, the table of its arms (as
+"""A study's report (moebalance/study.py): from study.json alone, the table of its runs (as
 arXiv 2408.15664's: validation perplexity and MaxVio_global, with MaxVio_batch), the paper's two
-claims checked where the study has both an `aux` and a `loss-free` arm, three figures over the
-steps and one HTML page."""
+claims checked where the study has both an `aux` and a `loss-free` arm (against the seed-to-seed
+spread where the arms ran with several seeds), three figures over the steps and one HTML page."""
 
 from __future__ import annotations
 
 import html
 import json
 from pathlib import Path
+
+import numpy as np
 
 from matplotlib.figure import Figure
 
@@ -29,13 +31,18 @@ def finished_arms(study: dict) -> list[dict]:
     return arms
 
 
+def run_label(study: dict, arm: dict) -> str:
+    """A run's name: its arm's, and its seed where the study ran several."""
+    return arm["name"] if study.get("seeds") is None else f"{arm['name']} (seed {arm['seed']})"
+
+
 def table_rows(study: dict) -> list[list[str]]:
-    """One row per finished arm: the last validation's values, (min-max over the last ones)."""
+    """One row per finished run: the last validation's values, (min-max over the last ones)."""
     def spread(arm, key, digits):
         lo, hi = arm["spread"][key]
         return f"{arm[key]:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
-    return [[arm["name"], " ".join(arm["overrides"]) or "(no balancing)",
+    return [[run_label(study, arm), " ".join(arm["overrides"]) or "(no balancing)",
              spread(arm, "val_loss", 4), spread(arm, "val_ppl", 2),
              spread(arm, "maxvio_global", 3), spread(arm, "maxvio_batch", 3),
              f"{arm['train_loss']:.4f}", f"{arm['tokens_per_s']:,.0f}"]
@@ -44,23 +51,44 @@ def table_rows(study: dict) -> list[list[str]]:
 
 def claims(study: dict) -> list[str]:
     """The paper's two claims, checked on this study's `loss-free` and `aux` arms (none without
-    both): loss-free's MaxVio_global at most 1/4 of aux's and at most 0.1; its validation
-    perplexity at most aux's."""
-    arms = {arm["name"]: arm for arm in finished_arms(study)}
-    if not {"aux", "loss-free"} <= set(arms):
+    both), each arm's value the mean over its finished seeds: loss-free's MaxVio_global at most
+    1/4 of aux's and at most 0.1; its validation perplexity no worse than aux's. The margin of
+    the perplexity claim is the seed-to-seed spread: the larger of the two arms' ranges (max -
+    min over their seeds) of the last validation perplexity; a difference within it is no
+    difference. An arm with one seed has no spread: the claim then says it rests on one seed."""
+    runs = {"aux": [], "loss-free": []}
+    for arm in finished_arms(study):
+        runs.get(arm["name"], []).append(arm)
+    if not all(runs.values()):
         return []
-    free, aux = arms["loss-free"], arms["aux"]
+    free, aux = ({key: float(np.mean([r[key] for r in runs[name]]))
+                  for key in ("maxvio_global", "val_ppl")} for name in ("loss-free", "aux"))
     ratio = free["maxvio_global"] / aux["maxvio_global"] if aux["maxvio_global"] else float("inf")
     balance = ratio <= 0.25 and free["maxvio_global"] <= 0.1
-    better = free["val_ppl"] <= aux["val_ppl"]
-    return [f"MaxVio_global: loss-free {free['maxvio_global']:.3f}, aux {aux['maxvio_global']:.3f}"
-            f" ({ratio:.2f}x; the paper: {PAPER['loss-free'][1]:.2f} vs {PAPER['aux'][1]:.2f}): "
+    seeds = {name: len(arms) for name, arms in runs.items()}
+    means = "" if max(seeds.values()) == 1 else (
+        f" (means over {seeds['loss-free']} and {seeds['aux']} seeds)")
+    ppl = (f"validation perplexity{means}: loss-free {free['val_ppl']:.3f}, aux "
+           f"{aux['val_ppl']:.3f} (the paper: {PAPER['loss-free'][0]:.2f} vs "
+           f"{PAPER['aux'][0]:.2f}): ")
+    difference = free["val_ppl"] - aux["val_ppl"]
+    if min(seeds.values()) == 1:
+        ppl += (("loss-free's is lower or equal: holds" if difference <= 0 else
+                 "loss-free's is higher: does not hold")
+                + " on one seed's digits (no seed-to-seed spread measured: run the arms with "
+                  "--seeds S1 S2 for a margin)")
+    else:
+        margin = max(np.ptp([r["val_ppl"] for r in arms]) for arms in runs.values())
+        ppl += (f"the difference {difference:+.3f} against a margin of {margin:.3f} (the "
+                "larger seed-to-seed range, max - min over an arm's seeds): "
+                + ("no worse, within the spread: holds" if abs(difference) <= margin else
+                   "lower beyond the spread: holds" if difference < 0 else
+                   "higher beyond the spread: does not hold"))
+    return [f"MaxVio_global{means}: loss-free {free['maxvio_global']:.3f}, aux "
+            f"{aux['maxvio_global']:.3f} ({ratio:.2f}x; the paper: {PAPER['loss-free'][1]:.2f} "
+            f"vs {PAPER['aux'][1]:.2f}): "
             + ("holds (<= 1/4 of aux's and <= 0.1)" if balance else
-               "does not hold (the claim: <= 1/4 of aux's and <= 0.1)"),
-            f"validation perplexity: loss-free {free['val_ppl']:.3f}, aux {aux['val_ppl']:.3f} "
-            f"(the paper: {PAPER['loss-free'][0]:.2f} vs {PAPER['aux'][0]:.2f}): "
-            + ("loss-free's is lower or equal: holds" if better else
-               "loss-free's is higher: does not hold")]
+               "does not hold (the claim: <= 1/4 of aux's and <= 0.1)"), ppl]
 
 
 def title(study: dict) -> str:
@@ -77,11 +105,21 @@ def format_markdown(study: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def measured(study: dict) -> str:
+    """What a validation measured: the first eval_batches held-out batches and their tokens (a
+    study.json written before they were recorded: the held-out batches, unnamed)."""
+    tokens = {arm["val_tokens"] for arm in finished_arms(study) if "val_tokens" in arm}
+    if "eval_batches" not in study or len(tokens) != 1:
+        return "the held-out batches each validation measured (eval_batches, not recorded here)"
+    return (f"the first {study['eval_batches']} held-out global batches ({tokens.pop():,} "
+            "tokens, the same at every validation)")
+
+
 def _table_note(study: dict) -> str:
     return (f"The last validation's values, after step {study['steps']} (in brackets: min-max over "
             "the last 3 validations), averaged over the top-k layers. val loss / PPL: held-out "
             "cross-entropy and its exp; MaxVio_global: (max - mean) / mean of the expert counts "
-            "over all the validation tokens; MaxVio_batch: that of each training step's batch, "
+            f"over {measured(study)}; MaxVio_batch: that of each training step's batch, "
             f"the mean over the last {study['eval_period']} steps; train loss: the training "
             "cross-entropy (without balance losses) likewise; tokens/s: the median step.")
 
@@ -89,12 +127,18 @@ def _table_note(study: dict) -> str:
 def _plot(study: dict, path: Path, key: str, label: str, per_step: bool = False) -> Path:
     fig = Figure(figsize=(7.0, 4.2), layout="constrained")
     ax = fig.add_subplot()
-    for i, arm in enumerate(finished_arms(study)):
+    names = list(dict.fromkeys(arm["name"] for arm in finished_arms(study)))
+    seen: dict[str, int] = {}
+    for arm in finished_arms(study):  # a color per arm, a line style per seed
+        color, style = f"C{names.index(arm['name']) % 10}", ("-", "--", ":", "-.")[
+            seen.setdefault(arm["name"], 0) % 4]
+        seen[arm["name"]] += 1
         if per_step:
             values = arm["per_step"][key]
-            ax.plot(range(1, len(values) + 1), values, color=f"C{i % 10}", lw=0.6, alpha=0.35)
+            ax.plot(range(1, len(values) + 1), values, color=color, ls=style, lw=0.6,
+                    alpha=0.35)
         ax.plot([p["step"] for p in arm["curve"]], [p[key] for p in arm["curve"]],
-                color=f"C{i % 10}", marker="o", ms=3, label=arm["name"])
+                color=color, ls=style, marker="o", ms=3, label=run_label(study, arm))
     ax.set_xlabel("step")
     ax.set_ylabel(label)
     ax.grid(True, alpha=0.3)
@@ -113,7 +157,7 @@ def study_report(study: dict, out, console=None, *, overwrite: bool = True) -> N
         (_plot(study, out / "val_loss.png", "val_loss", "validation loss"),
          "Validation loss (held-out cross-entropy) at each validation."),
         (_plot(study, out / "maxvio_global.png", "maxvio_global", "MaxVio_global"),
-         "MaxVio_global at each validation: the expert counts over all its held-out tokens, the "
+         f"MaxVio_global at each validation: the expert counts over {measured(study)}, the "
          "mean over the top-k layers."),
         (_plot(study, out / "maxvio_batch.png", "maxvio_batch", "MaxVio_batch", per_step=True),
          "MaxVio_batch: each training step's (faint) and its mean between validations (points), "
@@ -132,9 +176,11 @@ def study_report(study: dict, out, console=None, *, overwrite: bool = True) -> N
 
 
 def _plan(study: dict) -> dict:
-    keys = ("config", "overrides", "date", "steps", "eval_period", "tokens_per_step")
-    return {**{key: study[key] for key in keys},
-            "arms": [{"name": a["name"], "overrides": a["overrides"]} for a in study["arms"]]}
+    keys = ("config", "overrides", "seeds", "date", "steps", "eval_period", "eval_batches",
+            "tokens_per_step", "batch", "devices")
+    return {**{key: study[key] for key in keys if key in study},
+            "arms": [{key: a[key] for key in ("name", "overrides", "seed") if key in a}
+                     for a in study["arms"]]}
 
 
 def _print(study: dict, console) -> None:
@@ -146,7 +192,7 @@ def _print(study: dict, console) -> None:
     for i in shown:
         table.add_column(COLUMNS[i], justify="left" if i == 0 else "right")
     for row in table_rows(study):
-        table.add_row(*(row[i].split(" (")[0] for i in shown))
+        table.add_row(row[0], *(row[i].split(" (")[0] for i in shown[1:]))
     console.print(table)
     for line in claims(study):
         console.print(line)
