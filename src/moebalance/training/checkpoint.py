@@ -8,10 +8,8 @@ inside `background()` it does so on a thread of its own while the caller goes on
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -23,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from moebalance.config import Config
 from moebalance.model.transformer import DeepSeekV4, placeholder_hash_tables
+from moebalance.training import damage
 from moebalance.training.step import new_optimizer
 
 log = logging.getLogger(__name__)
@@ -111,47 +110,108 @@ def load(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> int:
     return int(restored["meta"]["step"])
 
 
-@contextlib.contextmanager
-def _muted():
-    """Orbax's and TensorStore's own reports of a read that fails kept off the terminal: a
-    damaged checkpoint's every array read fails, each logged with its traceback, and the failed
-    reads' coroutines, finalised after their event loop closed, each print "Exception ignored
-    ... RuntimeError: Event loop is closed" (~17,000 lines, issue 43). `restore` says in one line
-    what it found and did. Python's logging is off meanwhile (our own notes included) and the
-    leftovers are collected before it is back on."""
-    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
-    level = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
+class UnreadableCheckpoint(RuntimeError):
+    """A checkpoint whose files are whole could not be loaded (out of memory, an I/O fault, an
+    Orbax that reads another layout): the error it chains is the cause; nothing was moved."""
+
+
+def _unreadable(where: Path, err: BaseException) -> UnreadableCheckpoint:
+    first_line = str(err).split("\n", 1)[0]
+    return UnreadableCheckpoint(
+        f"checkpoint {where} could not be loaded, though its files are whole, so nothing was "
+        f"moved or skipped: {type(err).__name__}: {first_line} (the whole error is above); fix "
+        "its cause and run the command again")
+
+
+def _first_whole(mgr: ocp.CheckpointManager, steps: list[int], set_aside: bool,
+                 skipped: list[tuple[int, str]]) -> int:
+    """The first of `steps` (newest first) whose files are whole (damage.problem), -1 if none.
+    Process 0 checks and renames each damaged one to `<step>.damaged` (with `set_aside`),
+    noting it in `skipped`; the others take its answer, so all load the same step."""
+    first = -1
+    if jax.process_index() == 0:
+        for step in steps:
+            try:
+                why = damage.problem(Path(mgr.directory) / str(step))
+            except Exception as err:  # the check could not look: the cause, nothing moved
+                raise _unreadable(Path(mgr.directory) / str(step), err) from err
+            if why is None:
+                first = step
+                break
+            _skip(mgr, step, why, set_aside, skipped)
+    if jax.process_count() > 1:
+        first = int(multihost_utils.broadcast_one_to_all(np.int32(first)))
+        mgr.reload()  # process 0 renamed before it answered
+    return first
+
+
+def _skip(mgr: ocp.CheckpointManager, step: int, why: str, set_aside: bool,
+          skipped: list[tuple[int, str]]) -> None:
+    """Note damaged checkpoint `step` and, on process 0 with `set_aside`, move it aside."""
+    if set_aside and jax.process_index() == 0:
+        where = Path(mgr.directory) / str(step)
+        os.replace(where, where.with_name(f"{step}.damaged"))
+        mgr.reload()
+    skipped.append((step, why))
+
+
+def _load_or_damage(mgr: ocp.CheckpointManager, step: int, model, optimizer) -> str | None:
+    """Load `step`; None when it loaded, else why its stored data is damaged (a read that
+    TensorStore says found bytes that do not decode or are not there: damage that the files'
+    sizes do not show). Any other error is raised as UnreadableCheckpoint, chaining it."""
+    where = Path(mgr.directory) / str(step)
+    failure = why = None
     try:
-        yield
-    finally:
-        gc.collect()
-        logging.disable(level)
-        sys.unraisablehook = hook
+        load(mgr, step, model, optimizer)
+    except Exception as err:
+        failure, why = err, damage.stored_data_error(err)
+    if jax.process_count() > 1:
+        failure, why = _agreed(where, failure, why)
+    if failure is not None and why is None:
+        raise _unreadable(where, failure) from failure
+    return why
+
+
+def _agreed(where: Path, failure: Exception | None, why: str | None):
+    """(failure, why) of a load as every process takes it: another error than damage in one
+    process stops them all; damage that one process read is damage for all."""
+    codes = multihost_utils.process_allgather(np.int32(0 if failure is None else 1 if why else 2))
+    worst = int(codes.max())
+    first = int(np.argmax(codes == worst))
+    if worst == 2 and (failure is None or why):
+        return RuntimeError(f"process {first} could not load {where} (its error says why)"), None
+    if worst == 1 and why is None:
+        return failure, f"process {first} read data of it that does not decode"
+    return failure, why
 
 
 def restore(mgr: ocp.CheckpointManager, model, optimizer, *, set_aside: bool = True) -> int:
     """Load the newest checkpoint that reads back whole into model and optimizer; returns its
-    step. A newer one that does not (a file cut short by a crash, a missing file) is skipped with
-    a warning and, with `set_aside`, moved to `<step>.damaged`, so that a resumed run saves its
-    own checkpoint of that step later."""
-    steps = sorted(mgr.all_steps(), reverse=True)
+    step. A newer one that is damaged (damage.problem: a file missing or cut short by a crash,
+    found before Orbax reads anything; or data TensorStore cannot decode) is skipped with one
+    line and, with `set_aside`, moved to `<step>.damaged`, so that a resumed run saves its own
+    checkpoint of that step later. Any other error (out of memory, a permission, an Orbax API
+    mismatch) stops with UnreadableCheckpoint chaining it, and nothing is moved. Process 0
+    decides and renames; every process loads the step it chose."""
+    steps = every = sorted(mgr.all_steps(), reverse=True)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {mgr.directory}")
-    for step in steps:
-        try:
-            with _muted():
-                return load(mgr, step, model, optimizer)
-        except Exception as err:  # orbax raises many types for a damaged checkpoint
-            reason = (str(err).strip() or type(err).__name__).splitlines()[0][:200]
-            where = Path(mgr.directory) / str(step)
-            if set_aside:
-                os.replace(where, where.with_name(f"{step}.damaged"))
-                mgr.reload()
-            log.warning("checkpoint %s cannot be read (%s)%s; trying the one before", where,
-                        reason, f", moved to {step}.damaged" if set_aside else "")
-    raise ValueError(f"no checkpoint in {mgr.directory} can be read (steps {steps}); start the "
-                     "run again with --overwrite")
+    skipped: list[tuple[int, str]] = []
+    while (step := _first_whole(mgr, steps, set_aside, skipped)) >= 0:
+        why = _load_or_damage(mgr, step, model, optimizer)
+        if why is None:
+            break
+        _skip(mgr, step, why, set_aside, skipped)
+        steps = steps[steps.index(step) + 1:]
+    done = (f"resuming from step {step}" if set_aside else f"reading step {step}") if (
+        step >= 0) else "no checkpoint before it"
+    for bad, why in skipped:
+        log.warning("checkpoint %s is damaged: %s; %s; %s", Path(mgr.directory) / str(bad), why,
+                    f"moved to {bad}.damaged" if set_aside else "left where it is", done)
+    if step < 0:
+        raise ValueError(f"no checkpoint in {mgr.directory} can be read (steps {every}); start "
+                         "the run again with --overwrite")
+    return step
 
 
 def restore_latest(directory: Path, model, optimizer) -> int:
@@ -178,5 +238,10 @@ def restore_model(cfg: Config, directory: Path,
     if step not in mgr.all_steps():
         raise FileNotFoundError(f"{directory} has no checkpoint of step {step} (it holds steps "
                                 f"{sorted(mgr.all_steps())})")
-    return model, load(mgr, step, model, optimizer)
+    why = damage.problem(Path(directory) / str(step)) or _load_or_damage(mgr, step, model,
+                                                                         optimizer)
+    if why:
+        raise ValueError(f"checkpoint {Path(directory) / str(step)} is damaged: {why}; choose "
+                         f"another step (the run holds steps {sorted(mgr.all_steps())})")
+    return model, step
 
