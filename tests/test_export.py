@@ -106,7 +106,7 @@ def test_logits_match_transformers(exported):
     got = np.asarray(_logits(model, jnp.asarray(tokens)))
     for (text, _, want), ours in zip(texts, got):
         np.testing.assert_allclose(ours[:len(want)], want,
-                                   **tolerance(atol=1e-5 * np.abs(want).max()), err_msg=text)
+                                   **tolerance(want, atol=1e-5 * np.abs(want).max()), err_msg=text)
     np.testing.assert_array_equal(np.asarray(_logits(checkpoint_model, jnp.asarray(tokens))), got)
 
 

@@ -50,7 +50,7 @@ def test_dropless_layer_equals_per_token_loop(dispatch, kernel):
     w = np.asarray(rec.weights).reshape(-1, 3)
     want = ref.moe(xt, idx, w, *params(model), 0.7, kept=np.repeat(valid[:, None], 3, 1))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want,
-                               **tolerance(rtol=2e-5, atol=2e-5))
+                               **tolerance(want, rtol=2e-5, atol=2e-5))
     # the routing in the record is the router's, recomputed independently
     logits = xt @ np.asarray(model.router[...])
     ridx, rw, _, amb = ref.route(logits, np.asarray(model.bias[...]), 3, "sigmoid", 1.5)
@@ -76,7 +76,7 @@ def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
     kept = ref.kept_assignments(idx, w, valid, 8, capacity, policy)
     want = ref.moe(xt, idx, w, *params(model), 0.7, kept=kept)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), want,
-                               **tolerance(rtol=2e-5, atol=2e-5))
+                               **tolerance(want, rtol=2e-5, atol=2e-5))
     assert int(rec.dropped) == int(valid.sum()) * 3 - int(kept.sum())
     if capacity_factor == 0.5:
         assert int(rec.dropped) > 0
@@ -95,7 +95,7 @@ def test_shared_experts_are_added_unweighted():
     routed = ref.moe(xt, np.asarray(rec.indices).reshape(-1, 3),
                      np.asarray(rec.weights).reshape(-1, 3), *params(model), 0.7)
     np.testing.assert_allclose(np.asarray(y).reshape(-1, 16), routed + shared,
-                               **tolerance(rtol=2e-5, atol=2e-5))
+                               **tolerance(routed + shared, rtol=2e-5, atol=2e-5))
 
 
 def _dense_reference(model, x):
@@ -128,10 +128,10 @@ def test_gradients_equal_dense_autodiff(dispatch, kernel):
 
     g1, gx1 = nnx.jit(nnx.grad(loss_layer, argnums=(0, 1)))(model, x)
     g2, gx2 = nnx.jit(nnx.grad(loss_dense, argnums=(0, 1)))(model, x)
-    np.testing.assert_allclose(gx1, gx2, **tolerance(rtol=1e-4, atol=1e-5))
+    np.testing.assert_allclose(gx1, gx2, **tolerance(gx2, rtol=1e-4, atol=1e-5))
     for name in ("router", "w1", "w3", "w2"):
         np.testing.assert_allclose(g1[name][...], g2[name][...],
-                                   **tolerance(rtol=1e-4, atol=1e-5), err_msg=name)
+                                   **tolerance(g2[name][...], rtol=1e-4, atol=1e-5), err_msg=name)
 
 
 def test_blocked_backward_keeps_no_per_block_weights():
@@ -207,7 +207,7 @@ def test_any_leading_shape_and_jit():
     assert y.shape == x.shape and rec.indices.shape == (2, 3, 4, 3)
     assert rec.scores.shape == (2, 3, 4, 8) and int(rec.counts.sum()) == 24 * 3
     y2, _ = model(x.reshape(-1, 16))
-    np.testing.assert_allclose(y.reshape(-1, 16), y2, **tolerance(rtol=1e-5, atol=1e-6))
+    np.testing.assert_allclose(y.reshape(-1, 16), y2, **tolerance(y2, rtol=1e-5, atol=1e-6))
 
 
 def test_hash_routed_layer():

@@ -29,17 +29,34 @@ def batch(micro, size, seed=0, seq=16):
     return tokens, jnp.ones((micro, size, seq), bool), jnp.zeros((micro, size, seq), jnp.int32)
 
 
+def params_of(model) -> dict:
+    return {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def first_moments(opt) -> dict:
+    """The optimizer's AdamW first moments by path: after one step, (1 - b1) times the clipped
+    gradient."""
+    state = nnx.to_flat_state(nnx.state(opt, nnx.OptState))
+    return {path: np.asarray(v[...]) for path, v in state if "mu" in path}
+
+
 def test_accumulated_step_equals_one_big_batch_and_updates_the_bias_from_every_micro_batch():
-    """2 micro-batches of 2 sequences against one batch of 4: the same loss, gradient norm,
-    counts and updated weights; the counts a brute-force recount of every micro-batch, the bias
-    update the rule applied to them (one compiled step of each kind, shared by both claims)."""
+    """2 micro-batches of 2 sequences against one batch of 4, a step at the full learning rate
+    (no warm-up: the update moves every weight): the same loss, gradient norm, counts, AdamW
+    first moments ((1 - b1) times the clipped gradient) and weight updates; the counts a
+    brute-force recount of every micro-batch, the bias update the rule applied to them (one
+    compiled program of each kind, shared by the claims)."""
     tokens, mask, seg = batch(2, 2)
-    cfg_a, model_a, opt_a = setup(gradient_accumulation_steps=2)
-    cfg_b, model_b, opt_b = setup()
+    moving = dict(warmup_steps_fraction=0.0, adam_eps=1e-4)
+    cfg_a, model_a, opt_a = setup(gradient_accumulation_steps=2, **moving)
+    cfg_b, model_b, opt_b = setup(**moving)
     before = np.asarray(get_biases(model_a))
-    # brute-force recount: every micro-batch through the model before the step
-    forward = nnx.jit(lambda m, t: m(t).routing.counts)
-    recount = sum(np.asarray(forward(model_a, tokens[a, :, :-1])) for a in range(2))
+    start = params_of(model_a)
+    # brute-force recount: every micro-batch through the model before the step (the evaluation
+    # step's forward: the one program it compiles serves the check at the end too)
+    evaluate = make_eval_step(cfg_a, model_a)
+    recount = sum(np.asarray(evaluate(model_a, tokens[a], mask[a], seg[a])["counts"])
+                  for a in range(2))
     ma = make_train_step(cfg_a, model_a)(model_a, opt_a, tokens, mask, seg)
     mb = make_train_step(cfg_b, model_b)(model_b, opt_b, tokens.reshape(1, 4, -1),
                                          mask.reshape(1, 4, -1), seg.reshape(1, 4, -1))
@@ -47,13 +64,26 @@ def test_accumulated_step_equals_one_big_batch_and_updates_the_bias_from_every_m
     np.testing.assert_array_equal(mb["counts"], recount)
     assert ma["counts"].dtype == jnp.int32
     assert (recount.sum(1) == 2 * 2 * 16 * cfg_a.num_experts_per_tok).all()
-    np.testing.assert_allclose(ma["loss"], mb["loss"], **tolerance(rtol=1e-5))
-    np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"], **tolerance(rtol=1e-4))
-    pa = nnx.to_flat_state(nnx.state(model_a, nnx.Param))
-    pb = dict(nnx.to_flat_state(nnx.state(model_b, nnx.Param)))
-    for path, var in pa:
-        np.testing.assert_allclose(var[...], pb[path][...], **tolerance(rtol=1e-4, atol=1e-6),
-                                   err_msg=str(path))
+    assert ma["lr"] == mb["lr"] == np.float32(cfg_a.learning_rate)
+    np.testing.assert_allclose(ma["loss"], mb["loss"], **tolerance(mb["loss"], rtol=1e-5))
+    np.testing.assert_allclose(ma["grad_norm"], mb["grad_norm"],
+                               **tolerance(mb["grad_norm"], rtol=1e-4))
+    mu_a, mu_b = (first_moments(opt) for opt in (opt_a, opt_b))
+    assert len(mu_a) == len(mu_b) > 50
+    for path, mu in mu_b.items():
+        np.testing.assert_allclose(mu_a[path], mu, **tolerance(mu, rtol=1e-4, atol=1e-5 * np.abs(
+            mu).max()), err_msg=str(path))
+    # the updates: step 1's AdamW update is lr g / (|g| + eps); at the default eps (1e-8) a
+    # gradient entry of eps's size, summed over the micro-batches in another order, moves it by
+    # a quarter of lr (seen), so eps is 1e-4 here: the update a smooth function of the gradient;
+    # each weight after the step is rounded to float32 (half an ulp of the weight, each side)
+    moved_a, moved_b = params_of(model_a), params_of(model_b)
+    updates = {path: moved_b[path] - weight for path, weight in start.items()}
+    assert max(np.abs(update).max() for update in updates.values()) > 0.9 * cfg_a.learning_rate
+    for path, update in updates.items():
+        rounding = np.finfo(np.float32).eps * np.abs(start[path]).max()
+        np.testing.assert_allclose(moved_a[path] - start[path], update, **tolerance(
+            update, rtol=1e-4, atol=1e-4 * np.abs(update).max() + rounding), err_msg=str(path))
     routed = routed_layers(model_a)
     assert routed == [2, 3]  # the two hash blocks have no bias to update
     want = np.stack([ref.update_bias(before[i], recount[layer], "sign", 1e-2)
@@ -62,7 +92,7 @@ def test_accumulated_step_equals_one_big_batch_and_updates_the_bias_from_every_m
     np.testing.assert_allclose(ma["bias"], want, rtol=1e-6, atol=1e-7)
     assert get_biases(model_a).dtype == jnp.float32
     # evaluation reports every block's counts and never touches the bias
-    out = make_eval_step(cfg_a, model_a)(model_a, tokens[0], mask[0], seg[0])
+    out = evaluate(model_a, tokens[0], mask[0], seg[0])
     np.testing.assert_array_equal(get_biases(model_a), want.astype(np.float32))
     assert int(out["counts"].sum()) == 2 * 16 * 2 * 4
 
@@ -82,9 +112,7 @@ def test_the_chain_of_segment_programs_is_the_one_programs_step():
     for programs in ("one", "segments"):
         cfg, model, opt = setup(step_programs=programs, **over)
         metrics = jax.device_get(make_train_step(cfg, model)(model, opt, tokens, mask, seg))
-        moments = dict(nnx.to_flat_state(nnx.state(opt, nnx.OptState)))
-        runs.append((metrics, {path: np.asarray(v[...]) for path, v in moments.items()
-                               if "mu" in path}, np.asarray(get_biases(model))))
+        runs.append((metrics, first_moments(opt), np.asarray(get_biases(model))))
     (one, mu_one, bias_one), (chain, mu_chain, bias_chain) = runs
     assert len(mu_one) == len(mu_chain) > 100
     assert set(one) == set(chain) >= {"ce", "mtp", "sequence_loss", "global_loss", "z_loss"}
@@ -120,15 +148,24 @@ def test_the_chains_evaluation_and_scores_are_the_one_programs():
     np.testing.assert_allclose(scores_chain, scores_one, rtol=1e-6, atol=1e-7)
 
 
-def test_step_programs_auto_chains_the_steps_on_a_tpu_only():
+def test_step_programs_auto_chains_the_steps_on_a_tpu_only(monkeypatch):
+    """On a mesh its devices decide, without one JAX's default devices (whichever backend runs
+    the tests: the CPU, or the chip with --device-tests)."""
+    def devices_of(platform):
+        return [types.SimpleNamespace(platform=platform)]
+
     def mesh_of(platform):
-        return types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform=platform)]))
+        return types.SimpleNamespace(devices=np.array(devices_of(platform)))
 
     auto, one = (load_config("deepseek4-smoke", dict(step_programs=v)) for v in ("auto", "one"))
     assert chained(auto, mesh_of("tpu")) and not chained(one, mesh_of("tpu"))
     assert not chained(auto, mesh_of("cpu")) and not chained(auto, mesh_of("gpu"))
-    assert not chained(auto)  # these tests' devices: the CPU
-    assert chained(load_config("deepseek4-smoke", dict(step_programs="segments")))
+    assert chained(auto) == (jax.devices()[0].platform == "tpu")
+    for platform in ("tpu", "cpu", "gpu"):
+        monkeypatch.setattr(jax, "devices", lambda platform=platform: devices_of(platform))
+        assert chained(auto) == (platform == "tpu")
+        assert not chained(one) and chained(load_config("deepseek4-smoke",
+                                                        dict(step_programs="segments")))
 
 
 def test_bias_freezes_and_the_optimizer_never_moves_it():
@@ -211,18 +248,24 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
     results = {}
     for name, program in (("alone", None), ("shared", cfg_b)):
         _, model, opt = setup()
+        start = params_of(model)
         step = make_train_step(cfg_a, model, program=program)
         compiled = step_module._train_step(step_module.program_key(program or cfg_a),
                                            tuple(routed_layers(model)), None)
-        for _ in range(2):
+        for _ in range(2):  # step 0 at the warm-up's learning rate 0, step 1 moves the weights
             metrics = step(model, opt, tokens, mask, seg)
-        results[name] = (metrics, get_biases(model), nnx.state(model, nnx.Param))
-    (alone, bias_alone, params_alone), (shared, bias_shared, params_shared) = results.values()
+        updates = {path: weight - start[path] for path, weight in params_of(model).items()}
+        results[name] = (metrics, get_biases(model), updates)
+    (alone, bias_alone, update_alone), (shared, bias_shared, update_shared) = results.values()
     np.testing.assert_array_equal(bias_shared, bias_alone)  # the bias never moved
     np.testing.assert_array_equal(shared["counts"], alone["counts"])
-    np.testing.assert_allclose(shared["loss"], alone["loss"], **tolerance(rtol=1e-6))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tolerance(rtol=2e-5, atol=1e-6)),
-                 params_shared, params_alone)
+    assert alone["lr"] > 0
+    np.testing.assert_allclose(shared["loss"], alone["loss"], **tolerance(alone["loss"], rtol=1e-6))
+    assert max(np.abs(update).max() for update in update_alone.values()) > 0.5 * alone["lr"]
+    for path, update in update_alone.items():  # each weight's update to float32 rounding
+        rounding = np.finfo(np.float32).eps * np.abs(start[path]).max()
+        np.testing.assert_allclose(update_shared[path], update, **tolerance(
+            update, rtol=2e-5, atol=rounding), err_msg=str(path))
     # Run B then runs on the program Run A compiled: one program, no second compilation
     _, model_b, opt_b = setup(global_balance_loss_weight=1e-3)
     make_train_step(cfg_b, model_b)(model_b, opt_b, tokens, mask, seg)
