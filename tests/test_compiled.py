@@ -93,6 +93,48 @@ def test_plan_compile_prints_xlas_account_beside_the_plan(capsys):
         capsys.readouterr().err)
 
 
+def test_plan_compile_compiles_the_chain_of_programs_the_trainer_runs(capsys):
+    """step_programs=segments: the trainer runs a chain of programs per segment, and so does what
+    plan --compile compiles: as many distinct programs, called as often, as the trainer's own
+    lowering of its step (ahead.lower, each program passed on as it is lowered) gives; the
+    step's need at least what every call holds throughout (model, optimizer, batch, the
+    switches: the planner's count) and what its program adds."""
+    import hashlib
+
+    from moebalance.training.ahead import lower
+    from moebalance.training.step import make_train_step
+
+    cfg = load_config("deepseek4-smoke", [*SMOKE, "step_programs=segments"])
+    assert cli.main(["plan", "deepseek4-smoke", *SMOKE, "step_programs=segments", "--devices",
+                     "1", "--compile", "cpu", "--device-memory", "1", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["compiled"]["memory"]
+    model = plan.abstract_model(cfg)
+    optimizer = plan.abstract_optimizer(cfg, model)
+    batch = [jax.ShapeDtypeStruct((2, 2, 32 + extra), dtype)
+             for extra, dtype in ((1, np.int32), (0, np.bool_), (0, np.int32))]
+    lowered = []
+    lower(make_train_step(cfg, model), lowered.append, model, optimizer, *batch)
+    distinct = {hashlib.sha256(x.as_text().encode()).hexdigest() for x in lowered}
+    programs = memory["programs"]
+    assert len(programs) == len(distinct) > 2 and sum(p["calls"] for p in programs) == len(lowered)
+    planned = plan.plan(cfg, 1)
+    scalars = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+                  for x in jax.tree.leaves(jax.eval_shape(lambda: switches(cfg))))
+    tokens = 2 * 2 * (33 * 4 + 32 * 1 + 32 * 4)
+    assert memory["held"] == planned.parameters + planned.optimizer + tokens + scalars
+    adds = max(p["memory"]["needed"] - p["memory"]["argument"] for p in programs)
+    assert memory["needed"] >= memory["held"] + adds
+    assert memory["at"] in {p["name"] for p in programs}
+    assert cli.main(["plan", "deepseek4-smoke", *SMOKE, "step_programs=segments", "--devices",
+                     "1", "--compile", "cpu"]) == 0
+    assert (f"compiled for cpu (cpu, remat none) as a chain of {len(distinct)} programs, as the "
+            "trainer runs it there") in capsys.readouterr().out
+    # the one program where the trainer runs one (cpu's auto)
+    assert cli.main(["plan", "deepseek4-smoke", *SMOKE, "--devices", "1", "--compile", "cpu",
+                     "--json"]) == 0
+    assert "programs" not in json.loads(capsys.readouterr().out)["compiled"]["memory"]
+
+
 def fake_compiles(monkeypatch, needs: dict):
     """compiled_memory replaced: `needs` {policy: GiB needed, or None: the compiler refuses};
     -> the policies compiled, in order."""

@@ -102,7 +102,8 @@ def _compile_for_plan(cfg, args) -> dict:
         raise ConfigError(f"--compile {args.compile} has {len(devices)} devices, --devices says "
                           f"{args.devices}: give --devices {len(devices)}")
     logging.getLogger("moebalance").info(
-        "compiling the training step for %s (minutes for a large model)", args.compile)
+        "compiling the training step for %s as the trainer runs it there (minutes for a large "
+        "model)", args.compile)
     tried = []
     if cfg.remat_policy == "auto":  # the policy a run on those devices would choose
         if args.device_memory is None:
@@ -128,16 +129,31 @@ def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: st
         print(f"remat_policy auto: {compiled['remat']}, the least recompute that fits "
               f"{device_memory:g} GiB ({tried_summary(compiled['tried'])})")
     memory = {k: v / scale if isinstance(v, int) else v for k, v in compiled["memory"].items()}
+    programs = memory.get("programs")
+    what = (f"as a chain of {len(programs)} programs, as the trainer runs it there "
+            "(step_programs)" if programs else "as one program, as the trainer runs it there")
     head = (f"XLA, the step compiled for {compiled['topology']} ({compiled['device']}, remat "
-            f"{compiled['remat']}) in {compiled['compile_s']:.0f} s, {unit} per device:")
+            f"{compiled['remat']}) {what}, in {compiled['compile_s']:.0f} s, {unit} per device:")
     if "refused" in memory:
         print(f"{head} refused: its temporaries alone need {memory['temp']:,.2f}\n  "
               f"{memory['refused']}")
         return
-    print(f"{head} arguments {memory['argument']:,.2f} + outputs {memory['output']:,.2f} - "
-          f"aliased {memory['alias']:,.2f} + temporaries {memory['temp']:,.2f} = needed "
-          f"{memory['needed']:,.2f} (heap peak {memory['peak']:,.2f}); plan / needed "
-          f"{planned / compiled['memory']['needed']:.2f}")
+    if programs:
+        print(f"{head}")
+        for program in programs:
+            own = program["memory"]
+            print(f"  {program['name']:<14} x{program['calls']}: needs {own['needed'] / scale:,.2f}"
+                  f" (temporaries {own['temp'] / scale:,.2f}), compiled in "
+                  f"{program['compile_s']:.1f} s")
+        print(f"needed at the step's peak, in {memory['at']}: {memory['needed']:,.2f} (the model, "
+              f"optimizer and batch, {memory['held']:,.2f}, the arrays earlier programs keep "
+              "for later ones, and what this one adds); plan / needed "
+              f"{planned / compiled['memory']['needed']:.2f}")
+    else:
+        print(f"{head} arguments {memory['argument']:,.2f} + outputs {memory['output']:,.2f} - "
+              f"aliased {memory['alias']:,.2f} + temporaries {memory['temp']:,.2f} = needed "
+              f"{memory['needed']:,.2f} (heap peak {memory['peak']:,.2f}); plan / needed "
+              f"{planned / compiled['memory']['needed']:.2f}")
     if device_memory:
         fits = compiled["memory"]["needed"] <= device_memory * GIB
         print(f"fits {device_memory:g} GiB by XLA's account: {'yes' if fits else 'no'}")

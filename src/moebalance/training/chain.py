@@ -122,7 +122,9 @@ def _chain_step(chain, mesh, split=_split):
     call(program, *its args) and returns the last one's outputs, as a step: step(model, *args)
     runs them; step.bind(model) is the step with the model split once (bind_model: split's
     states hold the model's own Variables, so what is written to them later, the biases, reaches
-    it); step.lower_programs(emit, model, *args) lowers each for ahead.compile_ahead."""
+    it); step.lower_programs(emit, model, *args) lowers each for ahead.compile_ahead;
+    step.programs(call, model, *args) passes each program and its arguments (shapes, for a
+    call that traces) to call (compiled.chain_memory's account)."""
     def step(model, *args):
         return bind(model)(*args)
 
@@ -135,8 +137,9 @@ def _chain_step(chain, mesh, split=_split):
         return bound
 
     step.bind = bind
-    step.lower_programs = lambda emit, model, *args: chain(_lowering(mesh, emit), model,
-                                                           split(model), *args)
+    step.programs = lambda call, model, *args: chain(call, model, split(model), *args)
+    step.lower_programs = lambda emit, model, *args: step.programs(_lowering(mesh, emit), model,
+                                                                   *args)
     return step
 
 
