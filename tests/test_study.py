@@ -175,7 +175,7 @@ def test_a_stopped_study_continues_bit_exactly_and_reports(tmp_path, capsys, moe
     assert "| loss-free |" in table
     # what a validation measured, by name: the first eval_batches batches and their tokens
     assert (f"MaxVio_global: (max - mean) / mean of the expert counts over the first 1 held-out "
-            f"global batches ({measured['tokens']:,} tokens, the same at every validation)"
+            f"global batch ({measured['tokens']:,} tokens, the same at every validation)"
             in table) and "all the validation tokens" not in page
     assert "on one seed's digits" in table  # one seed: no margin to weigh the difference
     # a report is never replaced silently, but for the study's own, rebuilt in its folder

@@ -111,8 +111,9 @@ def measured(study: dict) -> str:
     tokens = {arm["val_tokens"] for arm in finished_arms(study) if "val_tokens" in arm}
     if "eval_batches" not in study or len(tokens) != 1:
         return "the held-out batches each validation measured (eval_batches, not recorded here)"
-    return (f"the first {study['eval_batches']} held-out global batches ({tokens.pop():,} "
-            "tokens, the same at every validation)")
+    batches = study["eval_batches"]
+    return (f"the first {batches} held-out global batch{'es' if batches != 1 else ''} "
+            f"({tokens.pop():,} tokens, the same at every validation)")
 
 
 def _table_note(study: dict) -> str:
