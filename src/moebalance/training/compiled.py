@@ -27,7 +27,8 @@ output, the residuals its backward reads, the gradients summed so far) stays on 
 between them, as do the model, the optimizer and the batch. chain_memory's `needed` is the
 step's peak by that account: the most, over the chain's calls, of every array live at the call
 (held throughout, made earlier and read then or later, its arguments) plus what the program adds
-(outputs - aliased + temporaries). XLA's heap peak is per program: a chain has none of its own.
+(outputs - aliased + temporaries) (_ChainAccount.memory). XLA's heap peak is per program: a
+chain has none of its own.
 """
 
 from __future__ import annotations
@@ -158,10 +159,13 @@ class _ChainAccount:
 
     def memory(self, held: list) -> dict:
         """{"programs": [{name, calls, compile_s, memory}], "held": bytes of `held` (the arrays
-        live throughout: model, optimizer, batch), "needed": the most, over the calls, of every
-        array live at the call (held, made by an earlier call and read by this one or later, its
-        arguments: jit leaves an unused one out of the program's own account) plus what the
-        program adds (outputs - aliased + temporaries), "at": the program where it is reached}."""
+        live throughout: model, optimizer, batch), "needed": the most, over the calls, of what
+        is live at the call, "at": the program where it is reached}. Live at a call: every array
+        held, made by an earlier call and read by this one or later, or an argument, and what
+        the program adds (outputs - aliased + temporaries). Two accounts of it, the larger
+        taken: the arrays' own bytes plus the program's additions, or the program's `needed`
+        plus the other arrays' bytes (XLA counts the arguments it reads, padded to the device's
+        tiles: on a TPU a small array takes more; jit leaves an unused one out)."""
         last_use = {}
         for i, (_, args, _) in enumerate(self.calls):
             for leaf in args:
@@ -170,11 +174,14 @@ class _ChainAccount:
         throughout = {id(leaf): leaf for leaf in held}
         needed, at = 0, ""
         for i, (digest, args, _) in enumerate(self.calls):
-            live = {**throughout, **{key: leaf for key, (born, leaf) in made.items()
-                                     if born < i <= last_use.get(key, len(self.calls))},
-                    **{id(leaf): leaf for leaf in args}}
+            mine = {id(leaf): leaf for leaf in args}
+            others = {key: leaf for key, leaf in throughout.items() if key not in mine}
+            others.update({key: leaf for key, (born, leaf) in made.items()
+                           if born < i <= last_use.get(key, len(self.calls)) and key not in mine})
             own = self.programs[digest]["memory"]
-            total = sum(map(_device_bytes, live.values())) + own["needed"] - own["argument"]
+            beside = sum(map(_device_bytes, others.values()))
+            total = beside + max(own["needed"], sum(map(_device_bytes, mine.values()))
+                                 + own["needed"] - own["argument"])
             if total > needed:
                 needed, at = total, self.programs[digest]["name"]
         return {"needed": needed, "at": at,
