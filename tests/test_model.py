@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import reference_v4 as ref
-from conftest import tolerance
+from conftest import float32_model, tolerance
 from moebalance.config import ConfigError, load_config
 from moebalance.model import attention as attention_module
 from moebalance.model import layers
@@ -177,20 +177,13 @@ def _randomize(module, scale=0.5):
                                    var.dtype)
 
 
-# The matmul precision a float32 model runs its layers at (matmul_precision auto: highest): a
-# layer tested alone runs as in the model, in float32 on a TPU too (not one bfloat16 pass), so the
-# CPU's tolerances hold there (the chip's exp, sigmoid and rsqrt are within 1e-5) and a wrong
-# formula off by a few per cent fails on every backend
-FLOAT32_MODEL = layers.precision_scope(layers.matmul_precision("auto", "float32"))
-
-
 @pytest.mark.parametrize("ratio", [4, 8])
 def test_compressor_matches_reference(ratio):
     comp = Compressor(16, 6, ratio, 4, 1e-6, nnx.Rngs(1))
     _randomize(comp)
     freqs = layers.rope_frequencies(4, 160000.0)
     x = jnp.asarray(RNG.normal(size=(2, 21, 16)), jnp.float32)  # 21: a trailing partial block
-    with FLOAT32_MODEL:
+    with float32_model():  # as the model runs it: the CPU's tolerances hold on a TPU
         got = nnx.jit(lambda comp, x: comp(x, freqs))(comp, x)
     assert got.shape == (2, 21 // ratio, 6)
     for b in range(2):
@@ -227,7 +220,7 @@ def test_attention_matches_reference(ratio, dense_topk, packed, monkeypatch):
     x = jnp.asarray(RNG.normal(size=(1, s, dims.emb_dim)), jnp.float32)
     # packed: three documents; boundaries inside and on compressed blocks
     seg = np.repeat([0, 1, 2], [9, 8, 9]) if packed else np.zeros(s, int)
-    with FLOAT32_MODEL:
+    with float32_model():  # as the model runs it: the CPU's tolerances hold on a TPU
         got = nnx.jit(lambda attn, x, positions, seg: attn(x, positions, seg, freqs))(
             attn, x, jnp.arange(s)[None], jnp.asarray(seg)[None])
     p = _params_of_attention(attn)

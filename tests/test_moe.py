@@ -1,3 +1,5 @@
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +8,7 @@ import pytest
 from flax import nnx
 
 import reference as ref
-from conftest import tolerance
+from conftest import float32_model, tolerance
 from moebalance import routing
 from moebalance.model.moe import MoE, MoEConfig, RouterBias
 
@@ -116,6 +118,10 @@ def _dense_reference(model, x):
 
 @pytest.mark.parametrize("dispatch,kernel", LAYOUTS)
 def test_gradients_equal_dense_autodiff(dispatch, kernel):
+    """XLA's blocked path at the float32 model's matmul precision, to the CPU's tolerances on every
+    backend (a gradient 1% off fails on a TPU too); the Pallas kernels and ragged_dot at the
+    backend's default precision, to tolerance()."""
+    float32 = (dispatch, kernel) == ("blocked", "xla")
     model = make(dispatch=dispatch, kernel=kernel)
     x, _ = inputs(seed=5)
     probe = jax.random.normal(jax.random.key(9), x.shape)
@@ -126,12 +132,13 @@ def test_gradients_equal_dense_autodiff(dispatch, kernel):
     def loss_dense(m, x):
         return (_dense_reference(m, x) * probe).sum()
 
-    g1, gx1 = nnx.jit(nnx.grad(loss_layer, argnums=(0, 1)))(model, x)
-    g2, gx2 = nnx.jit(nnx.grad(loss_dense, argnums=(0, 1)))(model, x)
-    np.testing.assert_allclose(gx1, gx2, **tolerance(gx2, rtol=1e-4, atol=1e-5))
-    for name in ("router", "w1", "w3", "w2"):
-        np.testing.assert_allclose(g1[name][...], g2[name][...],
-                                   **tolerance(g2[name][...], rtol=1e-4, atol=1e-5), err_msg=name)
+    with float32_model() if float32 else contextlib.nullcontext():
+        g1, gx1 = nnx.jit(nnx.grad(loss_layer, argnums=(0, 1)))(model, x)
+        g2, gx2 = nnx.jit(nnx.grad(loss_dense, argnums=(0, 1)))(model, x)
+    for got, want, name in [(gx1, gx2, "x")] + [(g1[name][...], g2[name][...], name)
+                                                for name in ("router", "w1", "w3", "w2")]:
+        tol = dict(rtol=1e-4, atol=1e-5) if float32 else tolerance(want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got, want, **tol, err_msg=name)
 
 
 def test_blocked_backward_keeps_no_per_block_weights():
