@@ -12,7 +12,8 @@ file is read) and by the tests' own subprocesses:
 - `--device-tests`: only the numerics tests (marker `numerics`: the files in NUMERICS), for a run
   on an accelerator in one process (`-n 0`); `tolerance()` and `function_rtol()` widen their
   float tolerances on a TPU, relative to each quantity's scale (also on the CPU with
-  MOEBALANCE_TEST_TOLERANCE=tpu);
+  MOEBALANCE_TEST_TOLERANCE=tpu); `float32_model()`, a layer tested alone at the float32
+  model's matmul precision, whose CPU tolerances hold on a TPU too;
 - hypothesis's profile: derandomized, no example database (one verdict on every run);
 - `optimised_programs`, for the few tests whose time is running a program many times, not
   compiling it: their programs compiled at XLA's usual optimisation level;
