@@ -13,10 +13,11 @@ process with P * D devices (the same mesh and global batch). Checked:
        (weights, optimizer state; one per step) to TOLERANCE (gloo sums gradients in another
        order, and AdamW magnifies round-off on near-zero gradients);
     2. only process 0 writes the logs: `steps` lines in metrics.jsonl, one TensorBoard file;
-    3. resume across processes: the multi-process run with its last checkpoint deleted, resumed by
-       all processes with --resume from step steps/2 (launch keys given as config keys this
-       time), ends with the same logs and checkpoints as the uninterrupted multi-process run, bit
-       for bit.
+    3. resume across processes: the multi-process run with its checkpoints after step steps/2
+       deleted but the first, whose largest file is cut in half, resumed by all processes with
+       --resume (launch keys given as config keys this time): process 0 alone sets the damaged
+       one aside, every process resumes from step steps/2, and the run ends with the same logs
+       and checkpoints as the uninterrupted multi-process run, bit for bit.
 
 Prints one line per check and exits 1 on the first mismatch. It takes 5-7 minutes on two cores
 (five process starts, each compiling the step); run it after touching the trainer, the sharding
@@ -183,11 +184,17 @@ def main() -> None:
     report("only process 0 wrote the logs", single_writer(multi, steps, sessions=1), start)
     shutil.rmtree(resumed, ignore_errors=True)
     shutil.copytree(multi, resumed)
-    for step in range(steps // 2 + 1, steps + 1):
+    for step in range(steps // 2 + 2, steps + 1):
         shutil.rmtree(resumed / "checkpoints" / str(step))
+    damaged = resumed / "checkpoints" / str(steps // 2 + 1)
+    largest = max((f for f in damaged.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
     launch(resumed, d, p, steps, "--resume", by_keys=True)
     problems, _ = compare(resumed, multi, steps, tolerance=0.0)
-    report(f"resumed in {p} processes from step {steps // 2}: bit for bit the uninterrupted run",
+    if not damaged.with_name(f"{damaged.name}.damaged").is_dir():
+        problems.append(f"{damaged} was not set aside")
+    report(f"resumed in {p} processes from step {steps // 2}, the damaged checkpoint after it set "
+           "aside: bit for bit the uninterrupted run",
            problems + single_writer(resumed, steps, sessions=2), start)
     if not args.keep:
         shutil.rmtree(root)

@@ -25,22 +25,27 @@ from pathlib import Path
 
 import tensorstore as ts
 
-# TensorStore's status codes for stored bytes that do not decode or are not there; any other
-# (PERMISSION_DENIED, RESOURCE_EXHAUSTED, UNAVAILABLE, ...) is not the files' fault.
+# TensorStore's status codes for a file that is not there, is shorter than a range read from it
+# or holds bytes that do not decode; any other (PERMISSION_DENIED, RESOURCE_EXHAUSTED,
+# UNAVAILABLE, ...) is not the file's fault.
 DAMAGE_STATUSES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+# Of those, what a read of a checkpoint that `problem` found whole can still meet: bytes that do
+# not decode (overwritten in place). A key not found there is not damage but another layout
+# (an Orbax that names its arrays otherwise), to be stopped at, not set aside.
+UNDECODABLE_STATUSES = ("DATA_LOSS", "FAILED_PRECONDITION")
 
 
 def stored_data_error(err: BaseException) -> str | None:
-    """The first line of the TensorStore error in err's chain that says bytes stored in an OCDBT
-    database do not decode or are not there (e.g. 'FAILED_PRECONDITION: Error reading "x/0.0" in
-    OCDBT database at local file "...": ZSTD_decompressStream() failed'); None when the chain
-    holds no such error (an out-of-memory, a permission, a mismatch of Orbax's API)."""
+    """The first line of the TensorStore error in err's chain that says bytes read from an OCDBT
+    database do not decode (e.g. 'FAILED_PRECONDITION: Error reading "x/0.0" in OCDBT database
+    at local file "...": ZSTD_decompressStream() failed'); None when the chain holds no such
+    error (an out-of-memory, a permission, a mismatch of Orbax's API)."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         first = str(err).split("\n", 1)[0]
-        if (isinstance(err, ValueError) and first.startswith(tuple(DAMAGE_STATUSES))
-                and " in OCDBT database at " in first):
+        if (isinstance(err, ValueError) and first.startswith(UNDECODABLE_STATUSES)
+                and 'Error reading "' in first and " in OCDBT database at " in first):
             return first.split(" [tensorstore_spec", 1)[0]
         err = err.__cause__ or err.__context__
     return None
