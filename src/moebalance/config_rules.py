@@ -23,6 +23,12 @@ def _require(ok: bool, key: str, message: str):
         raise ConfigError(f"config key `{key}`: {message}")
 
 
+def _choice(c: Config, key: str, noun: str, options) -> None:
+    """Refuse a value of `key` outside `options`, naming them."""
+    value = getattr(c, key)
+    _require(value in options, key, f"unknown {noun} {value!r}; choose one of {options}")
+
+
 def validate(c: Config) -> None:
     """Refuse a config whose keys are out of range or contradict each other (ConfigError, naming
     the key and the fix)."""
@@ -51,12 +57,9 @@ def validate(c: Config) -> None:
                  "qk_rope_head_dim", f"must be even and in (0, {key}={width}], "
                  f"got {c.qk_rope_head_dim}")
     _require(c.mtp_num_layers in (0, 1), "mtp_num_layers", f"must be 0 or 1, got {c.mtp_num_layers}")
-    _require(c.remat_policy in REMAT_POLICIES, "remat_policy",
-             f"unknown policy {c.remat_policy!r}; choose one of {REMAT_POLICIES}")
-    _require(c.step_programs in STEP_PROGRAMS, "step_programs",
-             f"unknown value {c.step_programs!r}; choose one of {STEP_PROGRAMS}")
-    _require(c.matmul_precision in MATMUL_PRECISIONS, "matmul_precision",
-             f"unknown precision {c.matmul_precision!r}; choose one of {MATMUL_PRECISIONS}")
+    _choice(c, "remat_policy", "policy", REMAT_POLICIES)
+    _choice(c, "step_programs", "value", STEP_PROGRAMS)
+    _choice(c, "matmul_precision", "precision", MATMUL_PRECISIONS)
     _require(c.rope_factor >= 1.0, "rope_factor", f"must be >= 1 (1 = no YaRN), got {c.rope_factor}")
     longest = int(c.original_max_position_embeddings * c.rope_factor)
     _require(c.max_target_length <= longest, "max_target_length",
@@ -65,13 +68,11 @@ def validate(c: Config) -> None:
              "rope_factor (YaRN)")
     from moebalance.routing import HASH_TABLES
 
-    _require(c.hash_table in HASH_TABLES, "hash_table",
-             f"unknown method {c.hash_table!r}; choose one of {sorted(HASH_TABLES)}")
+    _choice(c, "hash_table", "method", sorted(HASH_TABLES))
     from moebalance.balancing import BIAS_RULES
 
     rules = (*BIAS_RULES, "quantile")
-    _require(c.routed_bias_update_rule in rules, "routed_bias_update_rule",
-             f"unknown rule {c.routed_bias_update_rule!r}; choose one of {rules}")
+    _choice(c, "routed_bias_update_rule", "rule", rules)
     _require(c.routed_bias_update_rate >= 0 or c.routed_bias_update_rate == -1,
              "routed_bias_update_rate", f"must be >= 0 (or -1: the rule's default), got "
              f"{c.routed_bias_update_rate}")
@@ -137,12 +138,9 @@ def _validate_moe(c: Config) -> None:
         _require(getattr(c, key) >= 1, key, f"must be >= 1, got {getattr(c, key)}")
     _require(c.shared_experts >= 0, "shared_experts", f"must be >= 0, got {c.shared_experts}")
     _require(c.swiglu_limit >= 0, "swiglu_limit", f"must be >= 0 (0 = off), got {c.swiglu_limit}")
-    _require(c.drop_policy in DROP_POLICIES, "drop_policy",
-             f"unknown policy {c.drop_policy!r}; choose one of {DROP_POLICIES}")
-    _require(c.moe_dispatch in DISPATCH_MODES, "moe_dispatch",
-             f"unknown layout {c.moe_dispatch!r}; choose one of {DISPATCH_MODES}")
-    _require(c.moe_kernel in EXPERT_KERNELS, "moe_kernel",
-             f"unknown kernel {c.moe_kernel!r}; choose one of {EXPERT_KERNELS}")
+    _choice(c, "drop_policy", "policy", DROP_POLICIES)
+    _choice(c, "moe_dispatch", "layout", DISPATCH_MODES)
+    _choice(c, "moe_kernel", "kernel", EXPERT_KERNELS)
     _require(not (c.moe_kernel == "pallas" and c.moe_dispatch == "ragged"), "moe_kernel",
              "pallas (Triton) takes blocked rows; set moe_dispatch=blocked or choose another "
              "kernel")
