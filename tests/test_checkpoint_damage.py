@@ -228,3 +228,35 @@ def test_process_0_decides_and_renames_and_every_process_loads_its_step(finished
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == (
         ["1", "2", "3.damaged"] if process == 0 else ["1", "2", "3"])
     assert len(warned) == (1 if process == 0 else 0), warned
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_when_process_0_cannot_check_every_process_stops_and_nothing_moves(
+        finished, tmp_path, monkeypatch, process):
+    """Process 0's check of the files raises (here a permission): it tells the others before it
+    raises, so process 1 stops too instead of waiting for a step that never comes."""
+    run = copy_of(finished, tmp_path)
+    cfg = RunDir(run).config()
+    model, optimizer = build(cfg, make_mesh(cfg))
+    mgr = checkpoint.manager(RunDir(run).checkpoints)
+    answered = []
+
+    def refused(directory):
+        raise PermissionError(f"[Errno 13] Permission denied: '{directory}/meta/metadata'")
+
+    def broadcast(value):  # process 1 gets what process 0 sent
+        answered.append(int(value))
+        return value if process == 0 else np.int32(checkpoint.CHECK_FAILED)
+
+    monkeypatch.setattr(checkpoint.damage, "problem", refused)
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(checkpoint.multihost_utils, "broadcast_one_to_all", broadcast)
+    with pytest.raises(checkpoint.UnreadableCheckpoint) as stopped:
+        checkpoint.restore(mgr, model, optimizer)
+    if process == 0:
+        assert answered == [checkpoint.CHECK_FAILED]  # sent before raising
+        assert isinstance(stopped.value.__cause__, PermissionError)
+    else:
+        assert answered == [-1] and "process 0 could not check" in str(stopped.value)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2", "3"]

@@ -127,22 +127,40 @@ def _first_whole(mgr: ocp.CheckpointManager, steps: list[int], set_aside: bool,
                  skipped: list[tuple[int, str]]) -> int:
     """The first of `steps` (newest first) whose files are whole (damage.problem), -1 if none.
     Process 0 checks and renames each damaged one to `<step>.damaged` (with `set_aside`),
-    noting it in `skipped`; the others take its answer, so all load the same step."""
-    first = -1
+    noting it in `skipped`; the others take its answer, so all load the same step. When process
+    0 cannot check or rename (CHECK_FAILED), every process stops, none waiting for an answer."""
+    first, failure = -1, None
     if jax.process_index() == 0:
-        for step in steps:
-            try:
-                why = damage.problem(Path(mgr.directory) / str(step))
-            except Exception as err:  # the check could not look: the cause, nothing moved
-                raise _unreadable(Path(mgr.directory) / str(step), err) from err
-            if why is None:
-                first = step
-                break
-            _skip(mgr, step, why, set_aside, skipped)
+        try:
+            first = _check(mgr, steps, set_aside, skipped)
+        except Exception as err:  # raised below, once the other processes know
+            first, failure = CHECK_FAILED, err
     if jax.process_count() > 1:
         first = int(multihost_utils.broadcast_one_to_all(np.int32(first)))
         mgr.reload()  # process 0 renamed before it answered
+    if failure is not None:
+        raise failure
+    if first == CHECK_FAILED:
+        raise UnreadableCheckpoint(f"process 0 could not check the checkpoints in "
+                                   f"{mgr.directory} (its error says why); nothing was loaded")
     return first
+
+
+CHECK_FAILED = -2  # process 0's answer when its check of the files raised
+
+
+def _check(mgr: ocp.CheckpointManager, steps: list[int], set_aside: bool,
+           skipped: list[tuple[int, str]]) -> int:
+    """Process 0's part of _first_whole: the first whole step, -1 if none."""
+    for step in steps:
+        try:
+            why = damage.problem(Path(mgr.directory) / str(step))
+        except Exception as err:  # the check could not look: the cause, nothing moved
+            raise _unreadable(Path(mgr.directory) / str(step), err) from err
+        if why is None:
+            return step
+        _skip(mgr, step, why, set_aside, skipped)
+    return -1
 
 
 def _skip(mgr: ocp.CheckpointManager, step: int, why: str, set_aside: bool,
