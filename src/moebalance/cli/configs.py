@@ -139,7 +139,7 @@ def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: st
               f"{memory['refused']}")
         return
     if programs:
-        print(f"{head}")
+        print(head)
         for program in programs:
             own = program["memory"]
             print(f"  {program['name']:<14} x{program['calls']}: needs {own['needed'] / scale:,.2f}"
