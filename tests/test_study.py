@@ -19,7 +19,7 @@ from moebalance.report.study import claims
 from moebalance.rundir import RunDir, RunDirError, RunStopped
 from moebalance.study import ARM_KEYS, ARMS, Arm, arm_configs, arms_from, study, summarize
 from moebalance.training.hooks import Hook
-from moebalance.training.step import _conflicts, shared_programs
+from moebalance.training.step import _conflicts, program_key, shared_programs
 from moebalance.training.evaluate import evaluate
 
 SMOKE = ["steps=4", "eval_period=2", "eval_batches=1", "checkpoint_period=1",
@@ -69,6 +69,17 @@ def test_every_arm_starts_from_no_balancing_and_the_default_arms_share_one_progr
                                                        "routed_bias_update_rule=sign",
                                                        "routed_bias_update_rate=0.01"))])
     assert len({json.dumps(p.__dict__) for p in shared_programs(two)}) == 1
+
+
+def test_an_arms_seeds_share_its_program():
+    """The seed draws the initial weights and orders the data, outside the step: an arm's runs
+    over several seeds compile one program, and a run may use one compiled for another seed."""
+    seeds = [dataclasses.replace(cfg, seed=seed) for seed in (0, 7)
+             for cfg in arm_configs("deepseek4-tiny", [], [Arm("a", ARMS["loss-free"])])]
+    programs = shared_programs(seeds)
+    assert programs[0] == programs[1] and not _conflicts(seeds[1], programs[0])
+    assert program_key(seeds[0]) == program_key(seeds[1])
+    assert program_key(seeds[0]) != program_key(dataclasses.replace(seeds[0], steps=3))
 
 
 def _record(step, loss, maxvio, validation=None):

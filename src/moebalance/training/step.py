@@ -1,7 +1,8 @@
 """The jitted steps: training (every micro-batch's loss and gradient, then the update), evaluation
 and scoring, each one program (`step_programs: one`) or a chain of programs per model segment
 (`segments`, and `auto` on a TPU: training/chain.py); what they compute is training/objective.py.
-Runs that differ only in their balancing switches (SWITCHES) share one compiled program.
+Runs that differ only in their balancing switches (SWITCHES) or their seed share one compiled
+program.
 """
 
 from __future__ import annotations
@@ -119,11 +120,12 @@ def config_key(cfg: Config) -> str:
 
 def program_key(program: Config) -> str:
     """config_key of what a program compiles: its bias rate and balance-loss weights only as on
-    or off (1 or 0), since their values are passed at run time, so that programs that differ in
-    them share one compiled step."""
+    or off (1 or 0), since their values are passed at run time, and none of OUTSIDE_KEYS, so
+    that programs that differ in them share one compiled step."""
     on = {key: float(getattr(program, key) > 0) for key in _LOSSES}
+    outside = {key: getattr(Config, key) for key in OUTSIDE_KEYS}
     return config_key(dataclasses.replace(program, routed_bias_update_rate=float(
-        _uses_bias(program)), **on))
+        _uses_bias(program)), **on, **outside))
 
 
 def chained(cfg: Config, mesh=None) -> bool:
@@ -179,6 +181,9 @@ def lower_train_step(cfg: Config, model: DeepSeekV4, optimizer, tokens, mask, se
     return run.lower(model, optimizer, tokens, mask, segment_ids, values)
 
 
+# Keys that never reach a step's program: the seed draws the initial weights and orders the data,
+# both outside it (a study's seeds share their arms' programs).
+OUTSIDE_KEYS = ("seed",)
 # Keys that only shape the bias update: a config whose bias is off may differ from its program's.
 BIAS_KEYS = ("routed_bias_update_rule", "routed_bias_freeze_step",
              "routed_bias_update_rate_final_fraction")
@@ -193,7 +198,7 @@ def _conflicts(cfg: Config, program: Config) -> list[str]:
     """The keys that keep `cfg` from running on `program`'s step: any but SWITCHES that differ
     (BIAS_KEYS too, where cfg's bias is on), a bias update other than the program's, a balance
     loss that the program does not compute."""
-    free = SWITCHES + (() if _uses_bias(cfg) else BIAS_KEYS)
+    free = SWITCHES + OUTSIDE_KEYS + (() if _uses_bias(cfg) else BIAS_KEYS)
     differs = [f.name for f in dataclasses.fields(Config)
                if f.name not in free and getattr(cfg, f.name) != getattr(program, f.name)]
     if _uses_bias(cfg) and not _uses_bias(program):
