@@ -105,9 +105,9 @@ def arms_from(specs: list[list[str]] | None) -> list[Arm]:
 
 def _check_arm_key(name: str, override: str) -> None:
     """Refuse an arm's override of anything but ARM_KEYS, naming the key and why."""
-    key = override.split("=", 1)[0].strip()
     if "=" not in override:
         raise ValueError(f"arm {name!r}: {override!r} is not key=value")
+    [key] = override_keys([override])
     if key in ARM_KEYS:
         return
     if key == "seed":
@@ -139,7 +139,7 @@ def arm_configs(config: str | Path, overrides: list[str], arms: list[Arm],
     """Each run's config (runs_of's order): the study's defaults, the user's overrides, all
     balancing off, the arm's overrides, then its seed; validated every one before anything runs.
     eval_period, when the config leaves it 0, becomes a tenth of the steps."""
-    if seeds is not None and any(o.split("=", 1)[0].strip() == "seed" for o in overrides):
+    if seeds is not None and "seed" in override_keys(overrides):
         raise ValueError("give the seeds by --seeds alone, not also seed=... among the overrides")
     if seeds is not None and (not seeds or len(set(seeds)) != len(seeds)):
         raise ValueError(f"--seeds takes one or more different seeds, got {seeds}")
