@@ -16,7 +16,7 @@ import pytest
 
 from moebalance import cli, kernels
 from moebalance.config import ConfigError, load_config
-from moebalance.training import compiled, plan
+from moebalance.training import compiled, plan, topology
 from moebalance.training.objective import switches
 
 GIB = 2**30
@@ -44,7 +44,7 @@ def test_a_step_the_chip_cannot_hold_is_read_from_the_compilers_refusal():
 @pytest.mark.parametrize("name", ["v5e", "tpu:1x1", "v5e:1", "v5e:1x1x1x1", "cpu:1"])
 def test_a_topology_that_is_not_one_is_refused_with_the_fix(name):
     with pytest.raises(ConfigError, match="unknown topology.*v5e:1x1"):
-        compiled.topology_devices(name)
+        topology.topology_devices(name)
 
 
 def test_the_platform_is_the_meshs_not_the_default_backends(monkeypatch):
@@ -64,7 +64,7 @@ def test_the_compiled_arguments_are_the_planned_state_and_the_batch():
     model, not from the compiled program) + the batch + those of the step's switch scalars the
     program reads (jit drops unused arguments: the smoke config computes no balance loss)."""
     cfg = load_config("deepseek4-smoke", SMOKE)
-    memory, seconds, step = compiled.compiled_memory(cfg, compiled.topology_devices("cpu"))
+    memory, seconds, step = compiled.compiled_memory(cfg, topology.topology_devices("cpu"))
     planned = plan.plan(cfg, 1)
     batch = 2 * 2 * (33 * 4 + 32 * 1 + 32 * 4)  # tokens int32, mask bool, segment ids int32
     scalars = sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))

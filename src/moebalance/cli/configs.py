@@ -93,17 +93,19 @@ def _plan(args) -> int:
 def _compile_for_plan(cfg, args) -> dict:
     """plan --compile: XLA's memory of the step compiled for the topology (training/compiled)."""
     from moebalance.config import ConfigError
-    from moebalance.training import compiled
+    from moebalance.training import compiled, topology
     from moebalance.training.plan import GIB
 
-    devices = compiled.topology_devices(args.compile)
+    devices = topology.topology_devices(args.compile, args.slices)
     args.devices = args.devices or len(devices)
     if len(devices) != args.devices:
         raise ConfigError(f"--compile {args.compile} has {len(devices)} devices, --devices says "
                           f"{args.devices}: give --devices {len(devices)}")
+    slice_ = topology.parse(args.compile, args.slices)
+    where = slice_.describe() if slice_ else args.compile
     logging.getLogger("moebalance").info(
         "compiling the training step for %s as the trainer runs it there (minutes for a large "
-        "model)", args.compile)
+        "model)", where)
     tried = []
     if cfg.remat_policy == "auto":  # the policy a run on those devices would choose
         if args.device_memory is None:
@@ -115,7 +117,7 @@ def _compile_for_plan(cfg, args) -> dict:
         memory, seconds = tried[-1]["memory"], tried[-1]["compile_s"]
     else:
         memory, seconds, _ = compiled.compiled_memory(cfg, devices)
-    return {"topology": args.compile, "device": devices[0].device_kind, "remat": cfg.remat_policy,
+    return {"topology": where, "device": devices[0].device_kind, "remat": cfg.remat_policy,
             "memory": memory, "compile_s": round(seconds, 1), "tried": tried,
             "traced": compiled.traced_layout(cfg, devices)}
 
@@ -190,8 +192,12 @@ def add_parsers(sub, common: argparse.ArgumentParser) -> None:
                          help="for the share of all-to-all traffic between hosts (default 8)")
     planner.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     planner.add_argument("--compile", metavar="TOPOLOGY",
-                         help="also compile the step for a topology (v5e:1x1, v5e:2x2, ...: needs "
-                              "libtpu, not a chip; or cpu) and print XLA's memory of it")
+                         help="also compile the step for a TPU slice (v5p-128, v5e-256, "
+                              "v6e-256, tpu7x-128, v5p:4x4x8, ...: needs libtpu, not a chip; or "
+                              "cpu) and print XLA's memory of it")
+    planner.add_argument("--slices", type=int, default=1,
+                         help="with --compile: that many slices joined over the data-center "
+                              "network, the mesh's data axis across them (default 1)")
     planner.set_defaults(func=_plan)
     keys = sub.add_parser("keys", parents=[common],
                           help="every config key with its type, default and meaning")

@@ -8,9 +8,9 @@ on a TPU: chain.segment_steps), each distinct program compiled once (`chain_memo
 an abstract model and optimizer (`nnx.eval_shape`) whose variables carry the trainer's shardings
 on a mesh of the topology's devices, for [gradient_accumulation_steps, per_device_batch_size x
 devices, max_target_length] tokens, and compiled by that platform's compiler. A TPU topology
-(`v5e:1x1`, `v5e:2x2`, ...; one host's chips) comes from `jax.experimental.topologies` and needs
-libtpu importable (`pip install "moebalance[tpu]"`, or libtpu alone beside the environment), not
-a chip: MaxText's `train_compile` does the same. `cpu` compiles for this machine's CPU. The mesh
+(`v5p-128`, `v5e:2x2`, ...: training/topology.py; every host's and slice's devices) comes from
+`jax.experimental.topologies` and needs libtpu importable (`pip install "moebalance[tpu]"`, or
+libtpu alone beside the environment), not a chip: MaxText's `train_compile` does the same. `cpu` compiles for this machine's CPU. The mesh
 carries the topology's platform, so every choice the code makes by platform (kernels.platform:
 the MoE layout of `auto`, Pallas' interpret mode, `step_programs: auto`) is the chip's.
 
@@ -54,28 +54,6 @@ from moebalance.training.plan import GIB, abstract_model, abstract_optimizer
 from moebalance.training.step import chained, lower_train_step, program_key
 
 REFUSED = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\)")
-
-
-def topology_devices(name: str) -> list:
-    """The devices of a one-host topology: a TPU one such as `v5e:1x1` or `v5e:2x2` (abstract
-    devices of the TPU compiler: libtpu, no chip), or `cpu` (this machine's first CPU device)."""
-    if name == "cpu":
-        return jax.devices("cpu")[:1]
-    match = re.fullmatch(r"(v\d+[a-z]*):(\d+)x(\d+)(?:x(\d+))?", name)
-    if match is None:
-        raise ConfigError(f"unknown topology {name!r}: give a TPU topology such as v5e:1x1 or "
-                          "v5e:2x2 (generation:chips), or cpu")
-    from jax.experimental import topologies
-
-    bounds = tuple(int(d or 1) for d in match.groups()[1:])  # one host holds the whole topology
-    try:
-        return topologies.get_topology_desc(
-            platform="tpu", topology_name=name, chip_config_name="default",
-            chips_per_host_bounds=bounds, num_slices=1, wrap=(False, False, False)).devices
-    except RuntimeError as error:
-        raise ConfigError(f"cannot compile for {name}: {error}. Install libtpu (pip install "
-                          "\"moebalance[tpu]\"; no chip is needed) or give --compile cpu"
-                          ) from error
 
 
 def place_abstract(obj, mesh) -> None:

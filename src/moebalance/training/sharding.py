@@ -21,12 +21,12 @@ import os
 import threading
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moebalance.config import Config, ConfigError
+from moebalance.training.topology import device_grid
 
 AXES = ("data", "fsdp", "expert")
 ROUTED_EXPERT_WEIGHTS = ("w1", "w2", "w3")  # [(layers,) E, ...] directly under an MoE `ffn`
@@ -142,9 +142,11 @@ def mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(cfg: Config, devices=None) -> Mesh:
+    """The (data, fsdp, expert) mesh of the `ici_*` keys on `devices` (default: all), laid out on
+    their interconnect (topology.device_grid: ICI-aware on a TPU, data across slices)."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape(cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), AXES)
+    return Mesh(device_grid(shape, devices), AXES)
 
 
 def param_spec(path: tuple, shape: tuple, fsdp: int, expert: int = 1) -> P:
