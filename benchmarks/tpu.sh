@@ -102,29 +102,35 @@ NOTES="benchmarks/tpu.sh"
 PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain"
 PACKAGES="$PACKAGES|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"
-PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-compile --no-cache-dir"
+PIP_DOWNLOAD="env PIP_CONFIG_FILE=/dev/null python3 -m pip download --isolated -q --no-cache-dir"
 
 . benchmarks/parts.sh  # log, part
 
-# the large packages from the machine's index, the rest from .whl-tpu (all without dependencies:
-# nothing may replace the machine's JAX); once per machine (a warm machine keeps /tmp/site)
+# the large packages from the machine's index, the rest from .whl-tpu, all without dependencies
+# (nothing may replace the machine's JAX), unpacked side by side into /tmp/site
+# (benchmarks/unpack_wheels.py: pip's two installations took over 100 s of a fresh machine's first
+# call); once per machine (a warm machine keeps /tmp/site)
 if [ ! -f /tmp/site/.installed ]; then
-    $PIP --only-binary=:all: --index-url file:///opt/pypi/simple --target /tmp/site --no-deps \
-        tensorstore tokenizers pyyaml typing_extensions protobuf pyarrow matplotlib contourpy \
-        cycler fonttools kiwisolver packaging pillow pyparsing python-dateutil six nest_asyncio \
-        2>&1 | log
-    if compgen -G ".whl-tpu/*.whl" > /dev/null; then
-        $PIP --no-index --no-deps --upgrade --target /tmp/site .whl-tpu/*.whl 2>&1 | log &&
-            touch /tmp/site/.installed
-    else
+    start=$SECONDS
+    if ! compgen -G ".whl-tpu/*.whl" > /dev/null; then
         echo "no .whl-tpu/: run benchmarks/tpu_wheels.sh here and carry .whl-tpu" | log
     fi
+    rm -rf /tmp/wheels && $PIP_DOWNLOAD --only-binary=:all: --index-url file:///opt/pypi/simple \
+        --no-deps -d /tmp/wheels tensorstore tokenizers pyyaml typing_extensions protobuf pyarrow \
+        matplotlib contourpy cycler fonttools kiwisolver packaging pillow pyparsing \
+        python-dateutil six nest_asyncio 2>&1 | log &&
+        python3 benchmarks/unpack_wheels.py /tmp/site /tmp/wheels/*.whl .whl-tpu/*.whl 2>&1 | log &&
+        touch /tmp/site/.installed
+    echo "installation: $((SECONDS - start)) s" | log
 fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 python3 --version | log
 python3 -m pip list 2>/dev/null | grep -iE "^($PACKAGES)\s" | log
-python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__,
-                                    jax.devices())' 2>&1 | log
+# the chip opened only where a part does not say which devices it ran on (~15 s each opening)
+if [ "$MODE" != tests ]; then
+    python3 -c 'import jax, flax; print("jax", jax.__version__, "flax", flax.__version__,
+                                        jax.devices())' 2>&1 | log
+fi
 
 case "$MODE" in
 step)
@@ -196,7 +202,9 @@ tests)
     shift
     # SIGINT at the limit: pytest stops as on Ctrl-C, and still reports what ran (failures,
     # durations, the JUnit XML); killed, it reported nothing (2026-12-06: 95 of 188 tests in 470 s)
-    timeout -s INT "${TESTS_LIMIT:-540}" python3 -m pytest -p no:cacheprovider -n 0 \
+    # each test's compilations and their seconds (benchmarks/pytest_compiles.py) -> $OUT
+    PYTHONPATH=$PYTHONPATH:benchmarks timeout -s INT "${TESTS_LIMIT:-540}" python3 -m pytest \
+        -p no:cacheprovider -p pytest_compiles --compiles-json "$OUT/test-compiles.json" -n 0 \
         --device-tests -q -rf --durations=25 --junitxml="$OUT/tests.xml" "$@" 2>&1 |
         tee "$OUT/tests.txt" | tail -80
     python3 benchmarks/tpu_record.py tests "$RECORD" "$OUT/tests.xml" "$(date +%F)" 2>&1 | log
