@@ -8,17 +8,9 @@ and optimizer state, the process's peak resident memory (ru_maxrss, compilation 
 an accelerator, the device allocator's peak (of the whole process so far), beside what
 `moebalance plan` estimates for the config on this many devices (`plan_gb`, the config's remat).
 
-Model FLOPs per step (`model_flops`) = 6 x active parameters x tokens (`parameter_counts`: every
-matmul a token runs, the head included, the embedding lookup and unchosen experts not), less the
-backward of the lightning indexer's weights (its top-k passes no gradient: 2 x, not 6 x), plus the
-attention entries each query really attends, read from the batch's segments: its window keys
-(at most `sliding_window_size`), on CSA layers the indexer's top-k of the visible compressed
-entries, on HCA layers every visible one (12 x heads x head_dim each: QK and PV, forward and
-backward), and the indexer's scoring of every visible CSA entry (forward only). Not counted: the
-sink, softmaxes, norms, the compressors' pooling, the hyper-connections' stream mixing, an MTP
-layer, and what full remat recomputes. `mfu` divides the achieved model FLOP/s by the device's
-datasheet peak for the dtype (`PEAK_FLOPS`; null where the table has none, e.g. on a CPU);
-`of_dense_gemm` by a dense square GEMM of the step's dtype timed in the same run (8192^3 on an
+Model FLOPs per step: `moebalance.training.roofline.model_flops`. `mfu` divides the achieved
+model FLOP/s by the device's datasheet peak for the dtype (`PEAK_FLOPS`; null where the table
+has none, e.g. on a CPU); `of_dense_gemm` by a dense square GEMM of the step's dtype timed in the same run (8192^3 on an
 accelerator, 1024^3 on a CPU): what this machine's matmul unit really delivers.
 
 `--kernels xla,pallas` (`xla,megablox` on a TPU) runs each expert-matmul kernel (`moe_kernel`) in
@@ -55,11 +47,11 @@ from moebalance.atomic import write_atomic
 from moebalance.config import load_config
 from moebalance.data import batches
 from moebalance.model.moe import resolve_dispatch
-from moebalance.model.transformer import DeepSeekV4, parameter_counts, placeholder_hash_tables
 from moebalance.runtime import reexec_with_hugepage_malloc
 from moebalance.training import plan, sharding
 from moebalance.training.compiled import resolve_remat
 from moebalance.training.loop import build
+from moebalance.training.roofline import model_flops
 from moebalance.training.step import make_train_step
 
 
@@ -93,60 +85,6 @@ def mfu(flops_per_step: float, step_s: float, device_kind: str, dtype: str) -> f
     """Model FLOP/s over the device's datasheet peak for the dtype; None where that is unknown."""
     peak = peak_flops(device_kind, dtype)
     return round(flops_per_step / step_s / peak, 4) if peak else None
-
-
-def indexer_parameters(cfg) -> int:
-    """Parameters of the lightning indexers (their projections and compressors), by abstract
-    evaluation."""
-    model = nnx.eval_shape(lambda: DeepSeekV4(cfg, hash_tables=placeholder_hash_tables(cfg),
-                                              rngs=nnx.Rngs(0)))
-    return sum(int(np.prod(v.shape)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
-               if "indexer" in path and path[0] != "mtp")
-
-
-def attended_entries(cfg, segment_ids: np.ndarray) -> dict[str, int]:
-    """Summed over every query of the rows segment_ids [..., S] (contiguous segments) and every
-    layer: the window keys it attends (`window`), the compressed entries it attends (`compressed`:
-    on CSA layers min(index_topk, visible), on HCA layers all visible) and the compressed entries
-    the indexer scores (`indexed`: the visible ones of CSA layers). Compressed entry i is visible
-    to query t iff t >= (i+1) r - 1 and the first token it pools lies in t's segment (model/
-    attention.py)."""
-    rows = np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1])
-    s = rows.shape[1]
-    t = np.arange(s)
-    new = np.concatenate([np.ones((len(rows), 1), bool), rows[:, 1:] != rows[:, :-1]], axis=1)
-    start = np.maximum.accumulate(np.where(new, t, 0), axis=1)  # first token of t's segment
-    counts = {"window": 0, "compressed": 0, "indexed": 0}
-    for r in cfg.compress_ratios[:cfg.base_num_decoder_layers]:
-        counts["window"] += int(np.minimum(cfg.sliding_window_size, t - start + 1).sum())
-        if not r or s < r:
-            continue
-        # entries pooling only t's segment: i*r >= start (r = 4 pools from (i-1)*r, entry 0 from 0)
-        first = -(-start // r) + ((start > 0) if r == 4 else 0)
-        visible = np.maximum((t + 1) // r - first, 0)
-        if r == 4:
-            counts["indexed"] += int(visible.sum())
-            visible = np.minimum(visible, min(cfg.index_topk, s // r))
-        counts["compressed"] += int(visible.sum())
-    return counts
-
-
-def model_flops(cfg, segment_ids: np.ndarray) -> dict[str, float]:
-    """Model FLOPs of one training step on a batch of these segments (module docstring):
-    `parameters` (6 x active x tokens, the indexers' weights 2 x), `attention` (12 x heads x
-    head_dim per attended entry), `indexer` (2 x index heads x (index head dim + 1) per scored
-    entry) and their `total`."""
-    tokens = int(np.prod(np.shape(segment_ids)))
-    entries = attended_entries(cfg, segment_ids)
-    out = {
-        "parameters": float(6 * parameter_counts(cfg)["active"] - 4 * indexer_parameters(cfg))
-        * tokens,
-        "attention": 12.0 * cfg.base_num_query_heads * cfg.head_dim
-        * (entries["window"] + entries["compressed"]),
-        "indexer": 2.0 * cfg.index_n_heads * (cfg.index_head_dim + 1) * entries["indexed"],
-    }
-    out["total"] = sum(out.values())
-    return out
 
 
 def expert_layout(cfg) -> str:

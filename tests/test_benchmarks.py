@@ -17,6 +17,7 @@ import pytest
 
 from moebalance.config import load_config
 from moebalance.model.transformer import parameter_counts
+from moebalance.training import roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_KEYS = ["config", "layers", "tokens_per_step", "step_s", "tokens_per_s", "model_tflops", "mfu",
@@ -74,7 +75,7 @@ def _loops(cfg, segments: np.ndarray) -> tuple[int, int, int]:
 
 def test_attended_entries_match_the_definition(model_step, cfg):
     segments = _segments()
-    counts = model_step.attended_entries(cfg, segments)
+    counts = roofline.attended_entries(cfg, segments)
     assert (counts["window"], counts["compressed"], counts["indexed"]) == _loops(cfg, segments)
 
 
@@ -86,7 +87,7 @@ def test_model_flops_by_hand(model_step, cfg):
     dh = cfg.index_head_dim
     indexer = (cfg.q_lora_rank * cfg.index_n_heads * dh + cfg.base_emb_dim * cfg.index_n_heads
                + 2 * cfg.base_emb_dim * 2 * dh + 4 * 2 * dh + dh)
-    assert model_step.indexer_parameters(cfg) == indexer
+    assert roofline.indexer_parameters(cfg) == indexer
     tokens = 2 * 256
     expected = {
         "parameters": (6 * parameter_counts(cfg)["active"] - 4 * indexer) * tokens,
@@ -94,7 +95,7 @@ def test_model_flops_by_hand(model_step, cfg):
         "indexer": 2 * cfg.index_n_heads * (dh + 1) * indexed,
     }
     expected["total"] = sum(expected.values())
-    assert model_step.model_flops(cfg, segments) == pytest.approx(expected, rel=1e-12)
+    assert roofline.model_flops(cfg, segments) == pytest.approx(expected, rel=1e-12)
 
 
 def test_mfu_is_model_flops_over_step_time_over_the_peak(model_step):
@@ -105,7 +106,7 @@ def test_mfu_is_model_flops_over_step_time_over_the_peak(model_step):
 
 
 def test_record_schema_and_append(model_step, cfg, tmp_path):
-    flops = model_step.model_flops(cfg, _segments())
+    flops = roofline.model_flops(cfg, _segments())
     step_s = 0.125
     result = {  # what bench() returns for a run, its measured parts made up
         "config": "deepseek4-smoke", "overrides": ["compress_ratios=[0,4,128,0]"], "layers": 4,

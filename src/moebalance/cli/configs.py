@@ -115,11 +115,33 @@ def _compile_for_plan(cfg, args) -> dict:
                                                            int(args.device_memory * GIB))
         cfg = dataclasses.replace(cfg, remat_policy=policy)
         memory, seconds = tried[-1]["memory"], tried[-1]["compile_s"]
+        step = None
     else:
-        memory, seconds, _ = compiled.compiled_memory(cfg, devices)
+        memory, seconds, step = compiled.compiled_memory(cfg, devices)
     return {"topology": where, "device": devices[0].device_kind, "remat": cfg.remat_policy,
             "memory": memory, "compile_s": round(seconds, 1), "tried": tried,
+            "cost": _step_cost(cfg, devices, step, slice_) if step and slice_ else None,
             "traced": compiled.traced_layout(cfg, devices)}
+
+
+def _step_cost(cfg, devices: list, step, slice_) -> dict:
+    """The compiled step's collectives per device (training/collectives.py) and its roofline on
+    that slice (training/roofline.py: a model, not a measurement)."""
+    import numpy as np
+
+    from moebalance.training import collectives, roofline, sharding
+
+    mesh = sharding.make_mesh(cfg, devices)
+    found, unknown = collectives.count(step.as_text())
+    tally = collectives.tally(found, dict(mesh.shape),
+                              [getattr(d, "slice_index", 0) for d in mesh.devices.flat])
+    rows = cfg.gradient_accumulation_steps * cfg.per_device_batch_size * len(devices)
+    flops = roofline.model_flops(cfg, np.zeros((rows, cfg.max_target_length), np.int32))
+    tokens = rows * cfg.max_target_length
+    return {"collectives": tally, "unknown_trip_counts": unknown, "model_flops": flops["total"],
+            "tokens": tokens, "roofline": roofline.roofline(
+                flops["total"], tokens, len(devices), slice_.generation,
+                tally["sent"]["ici"], tally["sent"]["dcn"])}
 
 
 def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: str,
@@ -159,6 +181,28 @@ def _print_compiled(compiled: dict, planned: int, device_memory: float, unit: st
     if device_memory:
         fits = compiled["memory"]["needed"] <= device_memory * GIB
         print(f"fits {device_memory:g} GiB by XLA's account: {'yes' if fits else 'no'}")
+    if compiled.get("cost"):
+        _print_cost(compiled["cost"])
+
+
+def _print_cost(cost: dict) -> None:
+    """The compiled step's collectives and roofline (_step_cost)."""
+    from moebalance.training.roofline import MAXTEXT_DEEPSEEK_V3_MFU
+
+    tally, model = cost["collectives"], cost["roofline"]
+    print("collectives per device and step, GiB (from the compiled HLO, loops' trip counts "
+          "applied): " + (", ".join(f"{kind} {b / 2**30:,.3f}" for kind, b in
+                                    tally["kind"].items() if b) or "none")
+          + "; by mesh axis: " + (", ".join(f"{axis} {b / 2**30:,.3f}"
+                                           for axis, b in tally["axis"].items()) or "none"))
+    if cost["unknown_trip_counts"]:
+        print(f"  ({cost['unknown_trip_counts']} loops without a known trip count counted once)")
+    print(f"roofline (a model, not a measurement): compute {model['compute_s']:.3f} s, ICI "
+          f"{model['ici_s']:.3f} s, DCN {model['dcn_s']:.3f} s a step -> "
+          f"{model['no_overlap_tokens_s_chip']:,.0f} to {model['full_overlap_tokens_s_chip']:,.0f}"
+          f" tokens/s/chip, MFU {model['no_overlap_mfu']:.1%} to {model['full_overlap_mfu']:.1%}"
+          f" (no overlap to full overlap; MaxText's DeepSeek-V3 671B on v5p-1024: "
+          f"{MAXTEXT_DEEPSEEK_V3_MFU:.1%})")
 
 
 def _keys(args) -> int:

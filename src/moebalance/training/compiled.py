@@ -10,7 +10,8 @@ on a mesh of the topology's devices, for [gradient_accumulation_steps, per_devic
 devices, max_target_length] tokens, and compiled by that platform's compiler. A TPU topology
 (`v5p-128`, `v5e:2x2`, ...: training/topology.py; every host's and slice's devices) comes from
 `jax.experimental.topologies` and needs libtpu importable (`pip install "moebalance[tpu]"`, or
-libtpu alone beside the environment), not a chip: MaxText's `train_compile` does the same. `cpu` compiles for this machine's CPU. The mesh
+libtpu alone beside the environment), not a chip: MaxText's `train_compile` does the same. `cpu`
+compiles for this machine's CPU. The mesh
 carries the topology's platform, so every choice the code makes by platform (kernels.platform:
 the MoE layout of `auto`, Pallas' interpret mode, `step_programs: auto`) is the chip's.
 
