@@ -22,13 +22,15 @@ def test_the_fixtures_collectives_by_hand():
     an all-gather-start/done pair gathering f32[16] over 2 devices (128 bytes) in the outer loop:
     4 times, once per pair; a reduce-scatter of f32[8,8] (256) and a collective-permute of
     bf16[4,4] (32) once; an all-reduce of f32[10] (40) in each branch of a conditional (both
-    counted); an all-reduce-start of f32[2] (8) in a loop without a trip count (once, reported)."""
+    counted); an all-reduce of f32[4] (16) in a loop XLA gave no trip count whose counter runs
+    from 1 while below 5 (4 times: counted from the loop, as on a TPU); an all-reduce-start of
+    f32[2] (8) in a loop of no such form (once, reported)."""
     found, unknown = collectives.count(FIXTURE.read_text())
     assert unknown == 1
     assert sorted((c.kind, c.bytes, c.times) for c in found) == sorted([
         ("all-to-all", 2048, 12), ("all-gather", 128, 4), ("reduce-scatter", 256, 1),
         ("collective-permute", 32, 1), ("all-reduce", 40, 1), ("all-reduce", 40, 1),
-        ("all-reduce", 8, 1)])
+        ("all-reduce", 8, 1), ("all-reduce", 16, 4)])
     # partitions are mesh positions in order: 0-3 data 0, 4-7 data 1; within, fsdp then expert
     groups = {c.kind: c.groups for c in found}
     assert groups["all-gather"] == ((0, 2), (1, 3), (4, 6), (5, 7))  # iota [2,2,2]T(0,2,1)
@@ -36,12 +38,13 @@ def test_the_fixtures_collectives_by_hand():
     slice_of = [i // 4 for i in range(8)]  # two slices, one per data index
     assert collectives.tally(found, MESH, slice_of) == {
         "kind": {"all-to-all": 12 * 2048, "all-gather": 4 * 128, "reduce-scatter": 256,
-                 "all-reduce": 40 + 40 + 8, "collective-permute": 32},
-        "axis": {"expert": 12 * 2048 + 32, "fsdp": 4 * 128, "data": 256,
+                 "all-reduce": 40 + 40 + 8 + 4 * 16, "collective-permute": 32},
+        "axis": {"expert": 12 * 2048 + 32 + 4 * 16, "fsdp": 4 * 128, "data": 256,
                  "data+fsdp+expert": 40, "fsdp+expert": 40 + 8},
         # ring: (n-1)/n of the bytes, twice for an all-reduce, all of a permute's; the
         # reduce-scatter over data and the all-reduce over all 8 cross the slices
-        "sent": {"ici": 12 * 2048 / 2 + 4 * 128 / 2 + 2 * 40 * 3 / 4 + 2 * 8 * 3 / 4 + 32,
+        "sent": {"ici": 12 * 2048 / 2 + 4 * 128 / 2 + 2 * 40 * 3 / 4 + 2 * 8 * 3 / 4 + 32
+                 + 4 * 2 * 16 / 2,
                  "dcn": 256 / 2 + 2 * 40 * 7 / 8}}
 
 

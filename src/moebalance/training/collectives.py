@@ -6,8 +6,9 @@ Steps (`count`):
    (`computations`).
 2. How often each computation runs in one call of the program (`call_counts`): ENTRY once; a while
    loop's body and condition as often as its caller times the trip count XLA annotates
-   (`backend_config={"known_trip_count":{"n":"4"}}`; a loop without one counts once and is
-   reported); any other callee (a conditional's branches, an async wrapper, a call) as often as
+   (`backend_config={"known_trip_count":{"n":"4"}}`; where it wrote none, as a TPU's compiler
+   does not, the count a `counter < N` loop stepping by 1 from a constant gives:
+   `counted_trips`; any other loop counts once and is reported); any other callee (a conditional's branches, an async wrapper, a call) as often as
    its caller. Nested loops multiply. Both branches of a conditional count (an upper bound: the
    expert-parallel layer's `lax.cond` runs one buffer of two).
 3. Every collective (`KINDS`; an async `-start` counted, its `-done` not, so a pair counts once):
@@ -69,6 +70,7 @@ def call_counts(comps: dict, entry: str) -> tuple[dict, int]:
     trip count). Computations are printed callees first, so callers are walked in reverse."""
     counts, unknown = dict.fromkeys(comps, 0), 0
     counts[entry] = 1
+    defs = {name: (opcode, rest) for body in comps.values() for name, _, opcode, rest in body}
     for comp in reversed(list(comps)):
         for _, _, opcode, rest in comps[comp]:
             if counts[comp] == 0 or opcode.endswith(("-done", "-update")):
@@ -76,13 +78,58 @@ def call_counts(comps: dict, entry: str) -> tuple[dict, int]:
             times = 1
             if opcode == "while":
                 trip = TRIP_COUNT.search(rest)
-                unknown += trip is None
-                times = int(trip[1]) if trip else 1
+                trips = int(trip[1]) if trip else counted_trips(rest, comps, defs)
+                unknown += trips is None
+                times = 1 if trips is None else trips
             for single, branches in CALLEES.findall(rest):
                 for callee in [single] if single else re.findall(r"%?([\w.\-]+)", branches):
                     if callee in counts:
                         counts[callee] += counts[comp] * times
     return counts, unknown
+
+
+def _operands(rest: str) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+
+
+def _source(name: str, defs: dict) -> str:
+    """The instruction a value is a copy or bitcast of (itself if none)."""
+    while name in defs and defs[name][0] in ("copy", "bitcast", "copy-done", "copy-start"):
+        name = _operands(defs[name][1])[0]
+    return name
+
+
+def _constant(name: str, defs: dict) -> int | None:
+    """The integer a scalar constant holds, through copies and bitcasts; None if it is none."""
+    opcode, rest = defs.get(_source(name, defs), ("", ""))
+    value = re.match(r"(-?\d+)\)", rest) if opcode == "constant" else None
+    return int(value[1]) if value else None
+
+
+def counted_trips(rest: str, comps: dict, defs: dict) -> int | None:
+    """A while loop's trip count where XLA wrote none (a TPU's compiled HLO): a loop whose
+    condition is `counter < N` on a tuple element that starts at a constant c and whose body adds
+    1 to it runs N - c times; None for any other loop."""
+    condition = re.search(r"condition=%?([\w.\-]+)", rest)
+    body = re.search(r"body=%?([\w.\-]+)", rest)
+    if not (condition and body) or condition[1] not in comps or body[1] not in comps:
+        return None
+    _, _, opcode, compared = comps[condition[1]][-1]
+    operands = _operands(compared)
+    if opcode != "compare" or "direction=LT" not in compared or len(operands) != 2:
+        return None
+    index = re.search(r"index=(\d+)", defs.get(operands[0], ("", ""))[1])
+    bound = _constant(operands[1], defs)
+    init = defs.get(_operands(rest)[0], ("", ""))
+    if index is None or bound is None or init[0] != "tuple":
+        return None
+    start = _constant(_operands(init[1])[int(index[1])], defs)
+    counters = {name for name, _, op, args in comps[body[1]]
+                if op == "get-tuple-element" and f"index={index[1]}" in args}
+    steps = any(op == "add" and {_source(a, defs) for a in _operands(args)} & counters
+                and any(_constant(a, defs) == 1 for a in _operands(args))
+                for _, _, op, args in comps[body[1]])
+    return bound - start if start is not None and steps else None
 
 
 def _iota_groups(spec: str) -> list[tuple]:
