@@ -5,12 +5,17 @@ torus), the errors for a name that is no slice, and the mesh laid out on the int
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from moebalance import cli
 from moebalance.config import ConfigError, load_config
 from moebalance.training import sharding, topology
 
@@ -110,3 +115,32 @@ def test_the_trainers_mesh_on_cpu_devices_keeps_their_order():
     devices = jax.devices("cpu")[:1]
     assert list(sharding.make_mesh(cfg, devices).devices.flat) == devices
     assert np.asarray(topology.device_grid((1, 1, 1), devices)).shape == (1, 1, 1)
+
+
+def test_plan_names_the_slice_it_cannot_compile_for(capsys):
+    assert cli.main(["plan", "deepseek4-smoke", "--compile", "v5p-96"]) == 2
+    assert "v5p-96 is 48 chips: no v5p slice has that many" in capsys.readouterr().err
+    assert cli.main(["plan", "deepseek4-smoke", "--compile", "cpu", "--slices", "2"]) == 2
+    assert "--slices joins TPU slices" in capsys.readouterr().err
+
+
+LIBTPU_SLICES = """
+from moebalance.config import load_config
+from moebalance.training import sharding, topology
+devices = topology.topology_devices("v5p-16", 2)
+cfg = load_config("deepseek4-smoke", {"ici_data_parallelism": -1, "ici_fsdp_parallelism": 4,
+                                      "ici_expert_parallelism": 2})
+mesh = sharding.make_mesh(cfg, devices)
+print(len(devices), len({d.process_index for d in devices}),
+      [sorted({d.slice_index for d in row.flat}) for row in mesh.devices])
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu not installed (the tpu extra)")
+def test_libtpus_devices_of_two_slices_quietly_with_the_data_axis_across_them():
+    """Two v5p-16 slices (8 chips, 2 hosts each) from libtpu: 16 devices on 4 hosts, the mesh's
+    data axis one slice a row, and nothing on stderr (libtpu's start-up warnings silenced)."""
+    run = subprocess.run([sys.executable, "-c", LIBTPU_SLICES], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+    assert run.stdout.split(" ", 2) == ["16", "4", "[[0], [1]]\n"] and run.stderr == ""
