@@ -115,10 +115,13 @@ class Topology:
 
     def describe(self) -> str:
         """'v5p-256: v5p:4x4x8, 128 chips, 128 devices, 32 hosts' (+ ' x 2 slices over DCN')."""
+        def counted(n: int, what: str) -> str:
+            return f"{n} {what}{'s' if n != 1 else ''}"
+
         many = f" each, x {self.slices} slices over DCN" if self.slices > 1 else ""
-        return (f"{self.accelerator_type}: {self.libtpu_name}, {self.chips} chips, "
-                f"{self.chips * self.spec.devices_per_chip} devices, "
-                f"{self.hosts // self.slices} hosts{many}")
+        return (f"{self.accelerator_type}: {self.libtpu_name}, {counted(self.chips, 'chip')}, "
+                f"{counted(self.chips * self.spec.devices_per_chip, 'device')}, "
+                f"{counted(self.hosts // self.slices, 'host')}{many}")
 
 
 def slice_shape(generation: str, chips: int, name: str) -> tuple:
