@@ -12,7 +12,8 @@ whole global batch of the step):
     fraction      b += rate * (1/E - c / sum(c))   (load shares)   LongCat-Flash
     center=True   subtract the mean of the update (torchtitan), so the bias stays zero-mean
 
-Quantile Balancing sets the bias directly from the batch's scores (`quantile_bias`).
+Quantile Balancing sets the bias directly from the batch's scores (`quantile_bias`). Any rule's
+bias can also be averaged over the last steps (`average_bias`, Polyak averaging).
 """
 
 from __future__ import annotations
@@ -138,6 +139,28 @@ def rate_schedule(rate: float, freeze_after: int | None = None, *, decay_steps: 
         return value.astype(jnp.float32)
 
     return schedule
+
+
+def average_start(steps: int, fraction: float) -> int:
+    """The first step whose bias enters the running mean of the last `fraction` of `steps`
+    steps: steps - max(1, round(fraction * steps)) (fraction > 0)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the averaged fraction of the steps must be in (0, 1], got {fraction}")
+    return steps - max(1, round(fraction * steps))
+
+
+def average_bias(average: jax.Array, bias: jax.Array, step, start: int) -> jax.Array:
+    """Polyak averaging of the bias: the running mean of the biases after steps start .. step,
+
+        average = bias                                       step < start
+        average += (bias - average) / (step - start + 1)     step >= start
+
+    in float32 (`bias` the bias after step `step`'s update; `step` may be traced). The online
+    bias keeps steering training; the mean stops following one batch's noise, which the bias
+    then carries with a weight of 1/(steps averaged) instead of the rate's."""
+    average, bias = average.astype(jnp.float32), bias.astype(jnp.float32)
+    n = jnp.maximum(jnp.asarray(step, jnp.int32) - start + 1, 1).astype(jnp.float32)
+    return jnp.where(jnp.asarray(step) >= start, average + (bias - average) / n, bias)
 
 
 def quantile_bias(

@@ -156,6 +156,10 @@ class Config:
     routed_bias_update_rate_final_fraction: float = _key(
         1.0, "the bias rate follows a cosine from its value to value * this at the last step "
         "(1: constant)", BIAS)
+    routed_bias_average_fraction: float = _key(
+        0.0, "the bias the run keeps is the mean of the online bias over the last this fraction "
+        "of the steps (Polyak); validations route with it, the online bias keeps steering "
+        "training and is replaced by the mean after the last step (0: the online bias)", BIAS)
     routed_bias_calibration_batches: int = _key(
         0, "after the last step, refit every top-k bias at the final weights on the next N "
         "(fresh, never trained on) training batches (undamped Quantile Balancing on all their "

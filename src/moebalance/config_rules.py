@@ -83,6 +83,8 @@ def validate(c: Config) -> None:
              "routed_bias_update_rate_final_fraction",
              f"must be in [0, 1] (1: a constant rate), got "
              f"{c.routed_bias_update_rate_final_fraction}")
+    _require(0 <= c.routed_bias_average_fraction <= 1, "routed_bias_average_fraction",
+             f"must be in [0, 1] (0: keep the online bias), got {c.routed_bias_average_fraction}")
     _require(c.routed_bias_calibration_batches >= 0, "routed_bias_calibration_batches",
              f"must be >= 0 (0 turns the calibration off), got "
              f"{c.routed_bias_calibration_batches}")

@@ -68,6 +68,7 @@ DEFAULT_ARMS = ("none", "aux", "loss-free")
 # --arm), seeds vary by `seeds`.
 ARM_KEYS = ("routed_bias", "routed_bias_update_rate", "routed_bias_update_rule",
             "routed_bias_freeze_step", "routed_bias_update_rate_final_fraction",
+            "routed_bias_average_fraction",
             "routed_bias_calibration_batches", "probe_refit_batches",
             "load_balance_loss_weight", "sequence_loss_mode", "global_balance_loss_weight",
             "router_z_loss_weight", "capacity_factor", "drop_policy")

@@ -26,6 +26,7 @@ from flax import nnx
 from moebalance import safetensors_io as st
 from moebalance.hf import names
 from moebalance.hf.config import config_from_hf, config_to_hf
+from moebalance.model.moe import RouterBiasAverage
 from moebalance.model.transformer import DeepSeekV4
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,9 @@ def _file_shape(shape, layout) -> tuple:
 
 
 def _entries(model: DeepSeekV4):
-    """(our path, DeepSeek name, layout, index into our variable, Variable) per named tensor."""
-    for path, var in nnx.to_flat_state(nnx.state(model)):
+    """(our path, DeepSeek name, layout, index into our variable, Variable) per named tensor;
+    a bias's running mean is not one (the run's bias already is that mean)."""
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(RouterBiasAverage))):
         if path[0] == "segments":
             start, period, repeats = model.layout[path[1]]
             if repeats == 1:

@@ -41,6 +41,11 @@ class RouterBias(nnx.Variable):
     """The aux-loss-free selection bias [E], float32, non-trainable."""
 
 
+class RouterBiasAverage(nnx.Variable):
+    """The running mean of a RouterBias over the last steps (`routed_bias_average_fraction`)
+    [E], float32, non-trainable: the bias validations route with and the run keeps."""
+
+
 class HashTable(nnx.Variable):
     """A hash-routed layer's token -> experts table [V, K], int32, frozen."""
 
@@ -68,6 +73,7 @@ class MoEConfig:
     ep_buffer_factor: float = 2.0  # expert parallelism: fast-path send slots (expert_parallel.py)
     dtype: str = "float32"  # activation / matmul dtype
     weight_dtype: str = "float32"  # parameter storage dtype
+    average_bias: bool = False  # a top-k layer keeps a RouterBiasAverage beside its bias
 
     def __post_init__(self):
         for name in ("emb_dim", "num_experts", "moe_mlp_dim", "block_size"):
@@ -109,6 +115,7 @@ class MoEConfig:
             drop_policy=cfg.drop_policy, dispatch=cfg.moe_dispatch,
             block_size=cfg.moe_block_size, kernel=cfg.moe_kernel, ep_buffer_factor=cfg.ep_buffer_factor,
             dtype=cfg.dtype, weight_dtype=cfg.weight_dtype,
+            average_bias=cfg.routed_bias_average_fraction > 0,
         )
 
     def capacity(self, num_tokens: int) -> int:
@@ -190,6 +197,8 @@ class MoE(nnx.Module):
         self.router = nnx.Param(dense_init(rngs, (d, e), jnp.float32))  # fp32 whatever the model
         # the selection bias exists on top-k layers only: hash layers choose by token id
         self.bias = None if hash_table is not None else RouterBias(constant(0.0, (e,)))
+        self.bias_average = (RouterBiasAverage(constant(0.0, (e,)))
+                             if c.average_bias and self.bias is not None else None)
         self.w1 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # gate
         self.w3 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # up
         self.w2 = nnx.Param(dense_init(rngs, (e, f, d), wdtype, fan_in=f))  # down

@@ -350,17 +350,18 @@ def parameter_counts(cfg: Config) -> dict[str, int]:
     return {"total": total, "active": int(round(total - inactive)), "mtp": mtp}
 
 
-def _bias_slots(model: DeepSeekV4):
-    """(layer, RouterBias variable, index into its stacked leading axis or None) per top-k block."""
+def _bias_slots(model: DeepSeekV4, which: str = "bias"):
+    """(layer, variable, index into its stacked leading axis or None) per top-k block: its
+    RouterBias (`which` 'bias') or its RouterBiasAverage ('bias_average')."""
     for seg, (start, period, repeats) in zip(model.segments, model.layout):
         if repeats == 1:
             if seg.ffn.bias is not None:
-                yield start, seg.ffn.bias, None
+                yield start, getattr(seg.ffn, which), None
             continue
         for b, block in enumerate(seg.units.blocks):
             if block.ffn.bias is not None:
                 for r in range(repeats):
-                    yield start + r * period + b, block.ffn.bias, r
+                    yield start + r * period + b, getattr(block.ffn, which), r
 
 
 def routed_layers(model: DeepSeekV4) -> list[int]:
@@ -368,19 +369,26 @@ def routed_layers(model: DeepSeekV4) -> list[int]:
     return sorted(layer for layer, _, _ in _bias_slots(model))
 
 
-def _bias_rows(model: DeepSeekV4):
-    """(RouterBias variable, its rows of get_biases' [L_routed, E] array in stacked order) per
-    variable: one row for a single block's [E] bias, `repeats` rows for a scanned unit's."""
-    slots = sorted(_bias_slots(model), key=lambda s: s[0])
+def averages_biases(model: DeepSeekV4) -> bool:
+    """Whether the top-k blocks keep a running mean of their biases (`routed_bias_average_fraction`
+    > 0): get_biases(model, 'bias_average')."""
+    return any(var is not None for _, var, _ in _bias_slots(model, "bias_average"))
+
+
+def _bias_rows(model: DeepSeekV4, which: str = "bias"):
+    """(variable, its rows of get_biases' [L_routed, E] array in stacked order) per variable: one
+    row for a single block's [E] bias, `repeats` rows for a scanned unit's."""
+    slots = sorted(_bias_slots(model, which), key=lambda s: s[0])
     rows = {}
     for row, (_, var, _) in enumerate(slots):
         rows.setdefault(id(var), (var, []))[1].append(row)
     return list(rows.values())
 
 
-def get_biases(model: DeepSeekV4) -> jax.Array:
-    """[L_routed, E] float32 biases of the top-k blocks, in block order."""
-    groups = _bias_rows(model)
+def get_biases(model: DeepSeekV4, which: str = "bias") -> jax.Array:
+    """[L_routed, E] float32 biases of the top-k blocks, in block order (`which` 'bias_average':
+    their running means, where averages_biases)."""
+    groups = _bias_rows(model, which)
     # a few array operations whatever the depth: one per variable and one reordering (eager
     # calls cost ~1.4 ms each on a TPU's host, and the refit reads and writes the biases often)
     parts = [var[...].reshape(len(rows), -1) for var, rows in groups]
@@ -389,9 +397,9 @@ def get_biases(model: DeepSeekV4) -> jax.Array:
     return stacked if np.array_equal(order, np.arange(len(order))) else stacked[order]
 
 
-def set_biases(model: DeepSeekV4, biases: jax.Array) -> None:
+def set_biases(model: DeepSeekV4, biases: jax.Array, which: str = "bias") -> None:
     """Write [L_routed, E] biases back (the inverse of get_biases); works under jit."""
-    for var, rows in _bias_rows(model):
+    for var, rows in _bias_rows(model, which):
         new = biases[np.asarray(rows)].astype(jnp.float32).reshape(var.shape)
         if isinstance(new, jax.core.Tracer):
             # under jit, not var[...] = new: nnx's indexed write compares the value's and the

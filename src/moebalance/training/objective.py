@@ -7,6 +7,8 @@ update after the micro-batches.
     params <- AdamW(clip(grads))  (warm-up + cosine; no decay on norms, scales, biases)
     bias   <- rule(bias, counts)  for every top-k routed block, AFTER the optimizer step; hash
                                   blocks have no bias; the optimizer never sees it (wrt=nnx.Param)
+    mean   <- Polyak(mean, bias)  where routed_bias_average_fraction > 0; after the last step
+                                  bias <- mean (balancing.average_bias)
 
 Loss = CE (+ mtp_loss_scaling_factor * MTP CE) + the configured balance losses, each computed once
 from the model's routing records and logged apart. Balance losses are summed over the top-k routed
@@ -21,7 +23,8 @@ import optax
 
 from moebalance import balancing
 from moebalance.config import Config
-from moebalance.model.transformer import DeepSeekV4, ModelOutput, get_biases, set_biases
+from moebalance.model.transformer import (DeepSeekV4, ModelOutput, averages_biases, get_biases,
+                                          set_biases)
 from moebalance.training.cross_entropy import token_cross_entropy
 
 
@@ -144,16 +147,19 @@ def apply_gradients(cfg: Config, routed, model, optimizer, grads, loss, aux, val
     metrics = {name: value.mean() for name, value in aux.items()}
     metrics.update(loss=loss / micro_batches, grad_norm=optax.tree.norm(grads),
                    lr=lr_schedule(cfg)(optimizer.step[...]), counts=counts)
-    rate = values["bias"] * bias_rate_fraction(cfg, optimizer.step[...])
+    step = optimizer.step[...]
+    rate = values["bias"] * bias_rate_fraction(cfg, step)
     with jax.named_scope("optimizer"):
         optimizer.update(model, grads)
     with jax.named_scope("bias_update"):
-        update_biases(cfg, model, routed, counts, scores, rate, metrics)
+        update_biases(cfg, model, routed, counts, scores, rate, metrics, step)
     return metrics
 
 
-def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, metrics):
-    """The bias update of the top-k blocks after the optimizer step (records `bias` in metrics)."""
+def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, metrics, step):
+    """The bias update of the top-k blocks after the optimizer step `step` (records `bias` in
+    metrics); where the run averages its biases, their running mean too, which after the last
+    step becomes the bias the run keeps."""
     if not routed:
         return
     biases = get_biases(model)
@@ -163,6 +169,12 @@ def update_biases(cfg: Config, model: DeepSeekV4, routed, counts, scores, rate, 
     else:
         new = balancing.update_bias(biases, counts[jnp.asarray(routed)],
                                     rule=cfg.routed_bias_update_rule, rate=rate)
+    if averages_biases(model):
+        average = balancing.average_bias(
+            get_biases(model, "bias_average"), new, step,
+            balancing.average_start(cfg.steps, cfg.routed_bias_average_fraction))
+        set_biases(model, average, "bias_average")
+        new = jnp.where(step + 1 == cfg.steps, average, new)
     set_biases(model, new)
     metrics["bias"] = new
 

@@ -7,6 +7,7 @@ MaxVio of the counts accumulated over all the measured tokens (arXiv 2408.15664 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -16,7 +17,9 @@ import numpy as np
 from moebalance import data
 from moebalance.config import Config
 from moebalance.metrics import maxvio_global
+from moebalance.model.transformer import averages_biases, get_biases
 from moebalance.training import sharding
+from moebalance.training.calibration import biases_set_to
 from moebalance.training.step import bind_model
 
 
@@ -69,9 +72,12 @@ class Validation:
             record["validation"] = self(model)
 
     def __call__(self, model) -> dict:
-        """{loss, perplexity, tokens, maxvio_global: [per layer]} of the held-out batches."""
-        ce_sum, n_tokens, counts = measure(self.eval_step, model, self.mesh, self.source,
-                                           self.batches)
+        """{loss, perplexity, tokens, maxvio_global: [per layer]} of the held-out batches, routed
+        with the biases the run keeps: their running mean where the run averages them."""
+        kept = get_biases(model, "bias_average") if averages_biases(model) else None
+        with biases_set_to(model, kept) if kept is not None else contextlib.nullcontext():
+            ce_sum, n_tokens, counts = measure(self.eval_step, model, self.mesh, self.source,
+                                               self.batches)
         loss = ce_sum / n_tokens
         return {"loss": loss, "perplexity": math.exp(loss) if math.isfinite(loss) else loss,
                 "tokens": int(n_tokens), "maxvio_global": maxvio_global(counts).tolist()}
