@@ -122,6 +122,8 @@ def test_plan_names_the_slice_it_cannot_compile_for(capsys):
     assert "v5p-96 is 48 chips: no v5p slice has that many" in capsys.readouterr().err
     assert cli.main(["plan", "deepseek4-smoke", "--compile", "cpu", "--slices", "2"]) == 2
     assert "--slices joins TPU slices" in capsys.readouterr().err
+    assert cli.main(["plan", "deepseek4-smoke", "--slices", "2"]) == 2
+    assert "give --compile with a TPU slice" in capsys.readouterr().err
 
 
 LIBTPU_SLICES = """

@@ -49,6 +49,11 @@ def _plan(args) -> int:
     from moebalance.training.plan import GIB, plan
 
     cfg, compiled, memory_note = load_config(args.config, args.overrides), None, ""
+    if args.slices != 1 and not args.compile:
+        from moebalance.config import ConfigError
+
+        raise ConfigError(f"--slices {args.slices} is a number of TPU slices to compile for: "
+                          "give --compile with a TPU slice (e.g. --compile v5p-128)")
     if args.compile:
         compiled = _compile_for_plan(cfg, args)
         cfg = compiled.pop("traced")
