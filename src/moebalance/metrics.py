@@ -60,6 +60,34 @@ def sampling_floor(num_tokens: int, k: int, num_experts: int) -> float:
     return num_tokens * p * (1.0 - p)
 
 
+def balanced_counts(num_tokens: int, k: int, num_experts: int, draws: int,
+                    rng: np.random.Generator) -> np.ndarray:
+    """[draws, E] int64 expert counts of `num_tokens` tokens that each pick K distinct experts
+    uniformly at random (a perfectly balanced router), drawn exactly, without drawing a token:
+    expert by expert, the tokens with r of their K picks still to place among the m experts left
+    take this one with probability r/m, a binomial draw per group (K+1 groups, E steps)."""
+    left = np.zeros((draws, k + 1), np.int64)  # tokens by their picks still to place
+    left[:, k] = num_tokens
+    counts = np.zeros((draws, num_experts), np.int64)
+    for expert in range(num_experts):
+        m = num_experts - expert
+        took = rng.binomial(left, np.minimum(np.arange(k + 1) / m, 1.0))  # [draws, K+1]
+        counts[:, expert] = took.sum(1)
+        left = left - took
+        left[:, :-1] += took[:, 1:]  # a token that took one has one pick fewer to place
+    return counts
+
+
+def maxvio_floor(num_tokens: int, k: int, num_experts: int, draws: int = 2000,
+                 seed: int = 0) -> float:
+    """The mean MaxVio of a perfectly balanced router on `num_tokens` independent tokens
+    (seeded Monte Carlo over `draws` exact draws of balanced_counts): what MaxVio_global reads
+    on that many tokens when no expert is favoured, so no bias can read lower on average. Real
+    tokens come in documents, whose experts are not independent: their floor is higher."""
+    counts = balanced_counts(num_tokens, k, num_experts, draws, np.random.default_rng(seed))
+    return float(load_stats(counts)["maxvio"].mean())
+
+
 def summed_variance_spread(batch_counts, layers) -> dict[str, float]:
     """The judge over many batches: per batch the variance summed over `layers` (e.g. the top-k
     ones), from counts [num_batches, L, E]; its mean, std (ddof=0), min and max over the batches."""

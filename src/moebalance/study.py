@@ -59,6 +59,9 @@ ARMS = {
                       "routed_bias_update_rate=0.001", "load_balance_loss_weight=0.0001"),
     "quantile": ("routed_bias=true", "routed_bias_update_rule=quantile",
                  "routed_bias_update_rate=-1"),
+    # issue 60: the paper's rule steering, the bias kept its mean over the last quarter
+    "loss-free-avg": ("routed_bias=true", "routed_bias_update_rule=sign",
+                      "routed_bias_update_rate=0.001", "routed_bias_average_fraction=0.25"),
 }
 DEFAULT_ARMS = ("none", "aux", "loss-free")
 # The keys an arm may set: the balancing recipe (the bias, its rule and schedule, the balance
@@ -225,6 +228,7 @@ def _start(out: Path, plan: dict, cfgs: list[Config], overwrite: bool) -> dict:
               "tokens_per_step": (batch["sequences"] * batch["micro_batches"]
                                   * batch["sequence_length"]),
               "batch": batch, "devices": jax.device_count(),
+              "experts": cfg.num_experts, "k": cfg.num_experts_per_tok,
               "arms": [{"name": arm.name, "overrides": list(arm.overrides), "seed": c.seed,
                         "finished": False}
                        for (arm, _), c in zip(runs_of(_arms(plan), plan["seeds"]), cfgs)]}

@@ -5,6 +5,7 @@ spread where the arms ran with several seeds), three figures over the steps and 
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 
 from matplotlib.figure import Figure
 
+from moebalance.metrics import maxvio_floor
 from moebalance.report import prepare_out
 from moebalance.report.page import figure_parts, html_table, write_page
 
@@ -20,7 +22,7 @@ STUDY_FILES = ("study.md", "val_loss.png", "maxvio_global.png", "maxvio_batch.pn
                "report.html")
 # The paper's 1B-parameter result (arXiv 2408.15664, Table 2): (val PPL, MaxVio_global).
 PAPER = {"aux": (9.56, 0.72), "loss-free": (9.50, 0.04)}
-COLUMNS = ("arm", "overrides", "val loss", "val PPL", "MaxVio_global", "MaxVio_batch",
+COLUMNS = ("arm", "overrides", "val loss", "val PPL", "MaxVio_global", "floor", "MaxVio_batch",
            "train loss", "tokens/s")
 
 
@@ -36,6 +38,20 @@ def run_label(study: dict, arm: dict) -> str:
     return arm["name"] if study.get("seeds") is None else f"{arm['name']} (seed {arm['seed']})"
 
 
+@functools.cache
+def _floor(tokens: int, k: int, experts: int) -> float:
+    return maxvio_floor(tokens, k, experts)
+
+
+def floor(study: dict, arm: dict) -> float | None:
+    """MaxVio_global of a perfectly balanced router on as many independent tokens as the arm's
+    validation measured (metrics.maxvio_floor; None for a study.json that does not record its
+    experts)."""
+    if "experts" not in study or "val_tokens" not in arm:
+        return None
+    return _floor(arm["val_tokens"], study["k"], study["experts"])
+
+
 def table_rows(study: dict) -> list[list[str]]:
     """One row per finished run: the last validation's values, (min-max over the last ones)."""
     def spread(arm, key, digits):
@@ -44,7 +60,9 @@ def table_rows(study: dict) -> list[list[str]]:
 
     return [[run_label(study, arm), " ".join(arm["overrides"]) or "(no balancing)",
              spread(arm, "val_loss", 4), spread(arm, "val_ppl", 2),
-             spread(arm, "maxvio_global", 3), spread(arm, "maxvio_batch", 3),
+             spread(arm, "maxvio_global", 3),
+             "-" if floor(study, arm) is None else f"{floor(study, arm):.3f}",
+             spread(arm, "maxvio_batch", 3),
              f"{arm['train_loss']:.4f}", f"{arm['tokens_per_s']:,.0f}"]
             for arm in finished_arms(study)]
 
@@ -120,7 +138,10 @@ def _table_note(study: dict) -> str:
     return (f"The last validation's values, after step {study['steps']} (in brackets: min-max over "
             "the last 3 validations), averaged over the top-k layers. val loss / PPL: held-out "
             "cross-entropy and its exp; MaxVio_global: (max - mean) / mean of the expert counts "
-            f"over {measured(study)}; MaxVio_batch: that of each training step's batch, "
+            f"over {measured(study)}; floor: the mean MaxVio_global of a perfectly balanced "
+            "router on as many independent tokens (no bias reads lower on average; tokens in "
+            "documents are not independent, so the data's own floor is higher); MaxVio_batch: "
+            "that of each training step's batch, "
             f"the mean over the last {study['eval_period']} steps; train loss: the training "
             "cross-entropy (without balance losses) likewise; tokens/s: the median step.")
 
@@ -188,8 +209,8 @@ def _print(study: dict, console) -> None:
     from rich.table import Table
 
     table = Table(title=title(study))
-    shown = [COLUMNS.index(c) for c in ("arm", "val PPL", "MaxVio_global", "MaxVio_batch",
-                                         "tokens/s")]
+    shown = [COLUMNS.index(c) for c in ("arm", "val PPL", "MaxVio_global", "floor",
+                                         "MaxVio_batch", "tokens/s")]
     for i in shown:
         table.add_column(COLUMNS[i], justify="left" if i == 0 else "right")
     for row in table_rows(study):
