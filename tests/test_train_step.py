@@ -15,6 +15,11 @@ from moebalance.training.step import (chained, decay_mask, make_eval_step, make_
 
 BASE = dict(max_target_length=16, steps=10, load_balance_loss_weight=1e-2,
             routed_bias_update_rate=1e-2)
+# What a step does with a top-k block's bias, whatever the other blocks: one hash and one top-k
+# block. A block's forward and backward compile in ~9 s on the chip's host, and these tests run
+# there too (--device-tests); the blocks of every kind go through the accumulation and chain
+# tests.
+ONE_TOPK = dict(base_num_decoder_layers=2, compress_ratios=[0, 0], first_num_hash_layers=1)
 
 
 def setup(**over):
@@ -169,7 +174,7 @@ def test_step_programs_auto_chains_the_steps_on_a_tpu_only(monkeypatch):
 
 
 def test_bias_freezes_and_the_optimizer_never_moves_it():
-    cfg, model, opt = setup(routed_bias_freeze_step=2)
+    cfg, model, opt = setup(routed_bias_freeze_step=2, **ONE_TOPK)
     tokens, mask, seg = batch(1, 2)
     step = make_train_step(cfg, model)
     biases, routers = [], []
@@ -187,7 +192,7 @@ def test_bias_freezes_and_the_optimizer_never_moves_it():
 def test_decaying_bias_rate_follows_the_cosine_in_the_step():
     cfg, model, opt = setup(steps=3, routed_bias_update_rule="proportional",
                             routed_bias_update_rate=1e-2,
-                            routed_bias_update_rate_final_fraction=0.1)
+                            routed_bias_update_rate_final_fraction=0.1, **ONE_TOPK)
     tokens, mask, seg = batch(1, 2)
     step = make_train_step(cfg, model)
     rates = [1e-2, 1e-2 * 0.55, 1e-3]  # steps 0, 1, 2 of a cosine over steps 0 .. 2
@@ -208,7 +213,8 @@ def test_quantile_rule_sets_the_bias_from_the_step_scores_at_each_runs_rate_on_o
     tokens, mask, seg = batch(1, 4)
     programs = set()
     for rate in (1.0, 0.25):
-        cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate)
+        cfg, model, opt = setup(routed_bias_update_rule="quantile", routed_bias_update_rate=rate,
+                                **ONE_TOPK)
         programs.add(step_module._train_step(step_module.program_key(cfg),
                                              tuple(routed_layers(model)), None))
         if rate == 1.0:  # both models start from the same weights and biases
@@ -243,11 +249,11 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
     from moebalance.training import step as step_module
 
     tokens, mask, seg = batch(1, 2, seed=5)
-    cfg_b, _, _ = setup(global_balance_loss_weight=1e-3)
+    cfg_b, _, _ = setup(global_balance_loss_weight=1e-3, **ONE_TOPK)
     cfg_a = without_balancing(cfg_b)
     results = {}
     for name, program in (("alone", None), ("shared", cfg_b)):
-        _, model, opt = setup()
+        _, model, opt = setup(**ONE_TOPK)
         start = params_of(model)
         step = make_train_step(cfg_a, model, program=program)
         compiled = step_module._train_step(step_module.program_key(program or cfg_a),
@@ -267,7 +273,7 @@ def test_run_a_on_run_b_program_equals_run_a_alone_and_compiles_once():
         np.testing.assert_allclose(update_shared[path], update, **tolerance(
             update, rtol=2e-5, atol=rounding), err_msg=str(path))
     # Run B then runs on the program Run A compiled: one program, no second compilation
-    _, model_b, opt_b = setup(global_balance_loss_weight=1e-3)
+    _, model_b, opt_b = setup(global_balance_loss_weight=1e-3, **ONE_TOPK)
     make_train_step(cfg_b, model_b)(model_b, opt_b, tokens, mask, seg)
     assert compiled.jitted_fn._cache_size() == 1
     assert not np.array_equal(get_biases(model_b), bias_shared)
@@ -292,7 +298,7 @@ def test_a_shared_program_refuses_configs_it_cannot_run():
 def test_the_step_donates_the_state_it_replaces():
     """The model's and optimizer's old buffers are given to the step (its new state takes their
     place: one copy of the state in memory, not two), and the objects hold the new state."""
-    cfg, model, opt = setup(routed_bias_freeze_step=2)  # test_bias_freezes_...: its program
+    cfg, model, opt = setup(routed_bias_freeze_step=2, **ONE_TOPK)  # test_bias_freezes_...'s
     tokens, mask, seg = batch(1, 2)
     old = jax.tree.leaves(nnx.state((model, opt)))
     make_train_step(cfg, model)(model, opt, tokens, mask, seg)
