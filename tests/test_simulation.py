@@ -60,3 +60,32 @@ def test_simulation_is_deterministic_and_counts_are_exact():
     assert a["bias"].dtype == np.float32
     with pytest.raises(ValueError, match="unknown rule"):
         simulate.run(SIM, "bogus")
+
+
+WINDOWS = simulate.Windows(num_experts=8, k=2, windows=2, window_tokens=64, domains=4,
+                           hidden=8, skew=1.0, eval_windows=16)
+
+
+def test_windows_runs_are_seeded_and_their_counts_exact():
+    a = simulate.run_windows(WINDOWS, simulate.Recipe("sign", 1e-2), steps=12, seed=0)
+    b = simulate.run_windows(WINDOWS, simulate.Recipe("sign", 1e-2), steps=12, seed=0)
+    c = simulate.run_windows(WINDOWS, simulate.Recipe("sign", 1e-2), steps=12, seed=1)
+    np.testing.assert_array_equal(a["bias"], b["bias"])
+    assert not np.array_equal(a["bias"], c["bias"])  # another seed draws other batches
+    assert a["bias"].shape == (12, 8) and a["maxvio"].shape == (12,)
+    # the sign rule moves every bias by +-rate (or 0 at the mean) each step
+    steps = np.abs(np.diff(a["bias"], axis=0))
+    assert np.isin(np.round(steps / 1e-2, 5), (0.0, 1.0)).all()
+
+
+def test_counts_of_several_steps_move_the_bias_once_per_several_steps():
+    out = simulate.run_windows(WINDOWS, simulate.Recipe("sign", 1e-2, accumulate=4), steps=12)
+    rows = out["bias"]  # the bias each step routed with: updated after steps 3 and 7 (and 11)
+    changed = [t for t in range(1, 12) if not np.array_equal(rows[t], rows[t - 1])]
+    assert changed == [4, 8] and not rows[0].any()
+
+
+def test_the_populations_bias_balances_the_held_out_windows_better_than_none():
+    skewed = simulate.held_out_maxvio(WINDOWS, np.zeros(8))
+    balanced = simulate.held_out_maxvio(WINDOWS, simulate.population_bias(WINDOWS, windows=64))
+    assert balanced < 0.5 * skewed

@@ -8,6 +8,11 @@ Each step draws fresh tokens x ~ N(0, I) [N, H] and routes them with logits
 in training. The bias is updated after every step from that step's exact counts, with the rule
 under test. MaxVio then falls from the skew's level towards the sampling floor of N fresh tokens;
 a rule whose rate is too large overshoots and oscillates.
+
+`Windows` is issue 60's toy instead: a fixed router fed batches of a few windows, each window of
+one domain, so that one step's counts are bursty as a language model's are; `run_windows` trains
+a `Recipe` on it and `held_out_maxvio` reads a bias on held-out windows
+(benchmarks/bias_recipes.py compares the recipes).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from moebalance import balancing, routing
 from moebalance.metrics import load_stats
 
 RULES = (*balancing.BIAS_RULES, "quantile")
+POOL = 256  # noise windows of the Windows simulation (_windows_stream)
 OSC_MIN_STEPS = 40  # the shortest run whose overshoot the demo reports (overshoot_window)
 
 
@@ -109,3 +115,125 @@ def overshoot(counts: np.ndarray) -> float:
     a, b = err[:-1].ravel(), err[1:].ravel()
     denom = np.sqrt((a * a).sum() * (b * b).sum())
     return float((a * b).sum() / denom) if denom > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows of domains: what a training batch looks like to a router (issue 60's toy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """A fixed router fed batches of `windows` windows of `window_tokens` tokens, each window
+    from one of `domains` domains: token x = m_d + n, n ~ N(0, I) [H], with a domain mean m_d ~
+    skew * N(0, I) fixed per domain, routed by the logits x @ W (W fixed). A window's tokens share
+    its domain, so one step's counts are bursty, as a language model's batch of a few documents
+    is; the domains average out only over many windows. The held-out set is `eval_windows` other
+    windows, drawn once, the same for every recipe."""
+
+    num_experts: int = 32
+    k: int = 6
+    windows: int = 8
+    window_tokens: int = 1024
+    domains: int = 64
+    hidden: int = 32
+    skew: float = 0.5
+    score_fn: str = "sqrtsoftplus"
+    eval_windows: int = 384
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("num_experts", "windows", "window_tokens", "domains", "hidden",
+                     "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"the simulation needs {name} >= 1, got {getattr(self, name)}")
+        routing.check_topk(self.k, self.num_experts)
+        routing.check_score_fn(self.score_fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A bias recipe as it trains: `rule` at `rate` (None: its default), the rate along a
+    cosine to rate * final_fraction at the last step, the counts of `accumulate` steps summed
+    before each update (the bias moves every `accumulate` steps)."""
+
+    rule: str = "sign"
+    rate: float | None = None
+    final_fraction: float = 1.0
+    accumulate: int = 1
+
+
+def _windows_stream(sim: Windows):
+    """batch(key, windows) -> logits [windows * window_tokens, E], and the held-out logits. A
+    window's token noise is one of a pool of `POOL` windows' (drawn once), its domain drawn
+    afresh: 64 domains x 256 noise windows are more distinct windows than a run draws, at a
+    fraction of the cost of fresh noise every step."""
+    kw, km, kn, _, ke = jax.random.split(jax.random.key(sim.seed), 5)
+    w = jax.random.normal(kw, (sim.hidden, sim.num_experts)) / np.sqrt(sim.hidden)
+    offsets = sim.skew * jax.random.normal(km, (sim.domains, sim.hidden)) @ w  # [D, E]
+    noise = jax.random.normal(kn, (POOL, sim.window_tokens, sim.hidden)) @ w  # [P, T, E]
+
+    def batch(key, windows):
+        kd, kp = jax.random.split(key)
+        domain = jax.random.randint(kd, (windows,), 0, sim.domains)
+        pool = jax.random.randint(kp, (windows,), 0, POOL)
+        return (offsets[domain][:, None] + noise[pool]).reshape(-1, sim.num_experts)
+
+    held_out = batch(ke, sim.eval_windows)
+    return batch, held_out
+
+
+def run_windows(sim: Windows, recipe: Recipe, steps: int = 2000, seed: int = 0) -> dict:
+    """Train `recipe`'s bias for `steps` steps on fresh batches (drawn from `seed`) -> numpy:
+    maxvio [steps] and bias [steps, E], of the bias each step routed with (before its update:
+    row 0 is zeros; the last step's update, which no step routes with, is not kept)."""
+    if recipe.rule not in RULES:
+        raise ValueError(f"unknown rule {recipe.rule!r}; choose one of {RULES}")
+    if recipe.accumulate < 1:
+        raise ValueError(f"accumulate must be >= 1, got {recipe.accumulate}")
+    rate = balancing.DEFAULT_RATES[recipe.rule] if recipe.rate is None else recipe.rate
+    schedule = balancing.rate_schedule(rate, decay_steps=max(steps - 1, 1),
+                                       final_fraction=recipe.final_fraction)
+    batch, _ = _windows_stream(sim)
+
+    def step(state, inputs):
+        bias, acc = state
+        i, key = inputs
+        indices, _, scores = routing.route(batch(key, sim.windows), bias, k=sim.k,
+                                           score_fn=sim.score_fn)
+        counts = balancing.expert_counts(indices, sim.num_experts)
+        acc = acc + counts
+        if recipe.rule == "quantile":
+            moved = balancing.quantile_bias(scores, bias, sim.k, center=True, rate=schedule(i))
+        else:
+            moved = balancing.update_bias(bias, acc, rule=recipe.rule, rate=schedule(i))
+        due = (i + 1) % recipe.accumulate == 0
+        return (jnp.where(due, moved, bias), jnp.where(due, 0, acc)), (counts, bias)
+
+    keys = jax.random.split(jax.random.key(1000 + seed), steps)
+    init = (jnp.zeros(sim.num_experts, jnp.float32), jnp.zeros(sim.num_experts, jnp.int32))
+    _, (counts, bias) = jax.jit(lambda s: jax.lax.scan(step, s, (jnp.arange(steps), keys)))(init)
+    return {"maxvio": load_stats(np.asarray(counts))["maxvio"], "bias": np.asarray(bias)}
+
+
+def held_out_maxvio(sim: Windows, bias) -> float:
+    """MaxVio_global of the held-out windows routed with `bias` [E]."""
+    _, held_out = _windows_stream(sim)
+    indices, _, _ = routing.route(held_out, jnp.asarray(bias, jnp.float32), k=sim.k,
+                                  score_fn=sim.score_fn)
+    counts = np.asarray(balancing.expert_counts(indices, sim.num_experts))
+    return float(load_stats(counts)["maxvio"])
+
+
+def population_bias(sim: Windows, windows: int = 1024, fits: int = 20) -> np.ndarray:
+    """The bias that balances the stream itself rather than any run's batches: Quantile
+    Balancing fitted `fits` times on one sample of `windows` fresh windows (1M tokens). What it
+    reads on the held-out set is the data's own floor: the held-out windows' domains differ from
+    the stream's average by chance, which no bias trained on other windows can follow."""
+    batch, _ = _windows_stream(sim)
+    logits = batch(jax.random.key(999), windows)
+    scores = routing.compute_scores(logits, sim.score_fn)
+    bias = jnp.zeros(sim.num_experts, jnp.float32)
+    fit = jax.jit(lambda b: balancing.quantile_bias(scores, b, sim.k, center=True))
+    for _ in range(fits):
+        bias = fit(bias)
+    return np.asarray(bias)
