@@ -10,12 +10,13 @@ from flax import nnx
 import reference as ref
 from moebalance import balancing
 from moebalance.config import ConfigError, load_config
+from moebalance.experiment import without_balancing
 from moebalance.hf.checkpoint import deepseek_tensors
 from moebalance.model.moe import RouterBiasAverage
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
 from moebalance.study import arms_from
 from moebalance.training import checkpoint
-from moebalance.training.step import make_train_step, new_optimizer
+from moebalance.training.step import make_train_step, new_optimizer, shared_programs
 from test_train_step import batch
 
 STEPS = 6
@@ -133,3 +134,16 @@ def test_the_export_has_the_same_tensors_with_and_without_a_mean():
         cfg = load_config("deepseek4-smoke", {**OVER, "routed_bias_average_fraction": fraction})
         names.append(sorted(deepseek_tensors(DeepSeekV4(cfg, rngs=nnx.Rngs(0)))))
     assert names[0] == names[1]
+
+
+def test_the_ab_runs_an_averaging_run_b_and_its_run_a_on_one_program():
+    """Run A keeps Run B's model (a mean beside each bias, never moved: its bias rate is 0), so
+    it runs on Run B's compiled step; a study arm that averages compiles its own (another
+    model)."""
+    run_b = load_config("deepseek4-smoke", OVER)
+    run_a = without_balancing(run_b)
+    assert run_a.routed_bias_average_fraction == 0.5
+    assert shared_programs([run_a, run_b]) == [run_b, run_b]
+    plain = load_config("deepseek4-smoke", {**OVER, "routed_bias_average_fraction": 0.0})
+    programs = shared_programs([plain, run_b])
+    assert programs[0] != programs[1]
