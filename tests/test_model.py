@@ -288,18 +288,27 @@ def test_causality_every_layer_kind_and_mtp():
                                       base.mtp_logits[0, :max(t - 1, 0)])
 
 
+# Two hash blocks, then three units of two scanned blocks and a last single block (routed rows
+# 0, 2, 4 | 1, 3, 5 | 6), scanned and unrolled from the same seed; their forward compiled once
+# (nnx.jit's cache is per model structure) for the tests below
+NINE_BLOCKS = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4, 8, 4], base_num_decoder_layers=9,
+                   first_num_hash_layers=2, max_target_length=16)
+_forward = nnx.jit(lambda m, t: m(t))
+
+
+def scanned_and_unrolled() -> tuple[DeepSeekV4, DeepSeekV4]:
+    return (DeepSeekV4(load_config("deepseek4-smoke", NINE_BLOCKS), rngs=nnx.Rngs(3)),
+            DeepSeekV4(load_config("deepseek4-smoke", {**NINE_BLOCKS, "scan_layers": False}),
+                       rngs=nnx.Rngs(3)))
+
+
 def test_scan_equals_unrolled_and_records_are_per_layer():
-    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4], base_num_decoder_layers=7,
-                first_num_hash_layers=2, max_target_length=16)
-    scanned = DeepSeekV4(load_config("deepseek4-smoke", over), rngs=nnx.Rngs(3))
-    unrolled = DeepSeekV4(load_config("deepseek4-smoke", {**over, "scan_layers": False}),
-                          rngs=nnx.Rngs(3))
+    scanned, unrolled = scanned_and_unrolled()
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-    run = nnx.jit(lambda m, t: m(t))
-    a, b = run(scanned, tokens), run(unrolled, tokens)
+    a, b = _forward(scanned, tokens), _forward(unrolled, tokens)
     np.testing.assert_allclose(a.logits, b.logits, **tolerance(b.logits, rtol=1e-5, atol=1e-5))
     np.testing.assert_array_equal(a.routing.counts, b.routing.counts)
-    assert a.routing.counts.shape == (7, 8) and a.routing.counts.dtype == jnp.int32
+    assert a.routing.counts.shape == (9, 8) and a.routing.counts.dtype == jnp.int32
     assert (np.asarray(a.routing.counts).sum(1) == 2 * 16 * 2).all()
     # hash layers route by token id: their record is the table lookup
     tables = [blk.ffn.hash_table[...] for blk in unrolled.segments[:2]]
@@ -308,12 +317,7 @@ def test_scan_equals_unrolled_and_records_are_per_layer():
 
 
 def test_biases_are_written_to_their_own_layers_scanned_or_not_eagerly_or_under_jit():
-    # three units of two scanned blocks and a last single block: rows 0, 2, 4 | 1, 3, 5 | 6
-    over = dict(compress_ratios=[0, 0, 4, 8, 4, 8, 4, 8, 4], base_num_decoder_layers=9,
-                first_num_hash_layers=2, max_target_length=16)
-    scanned = DeepSeekV4(load_config("deepseek4-smoke", over), rngs=nnx.Rngs(3))
-    unrolled = DeepSeekV4(load_config("deepseek4-smoke", {**over, "scan_layers": False}),
-                          rngs=nnx.Rngs(3))
+    scanned, unrolled = scanned_and_unrolled()
     assert routed_layers(scanned) == routed_layers(unrolled) == list(range(2, 9))
     # biases large enough to decide the top-k: any row written to another layer changes counts
     biases = 4.0 * jax.random.normal(jax.random.key(5), (7, 8), jnp.float32)
@@ -324,9 +328,8 @@ def test_biases_are_written_to_their_own_layers_scanned_or_not_eagerly_or_under_
     np.testing.assert_array_equal(get_biases(scanned), biases)
     np.testing.assert_array_equal(nnx.jit(get_biases)(scanned), biases)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
-    run = nnx.jit(lambda m, t: m(t))
-    np.testing.assert_array_equal(run(scanned, tokens).routing.counts,
-                                  run(unrolled, tokens).routing.counts)
+    np.testing.assert_array_equal(_forward(scanned, tokens).routing.counts,
+                                  _forward(unrolled, tokens).routing.counts)
 
 
 @functools.cache
