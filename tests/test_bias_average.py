@@ -147,3 +147,23 @@ def test_the_ab_runs_an_averaging_run_b_and_its_run_a_on_one_program():
     plain = load_config("deepseek4-smoke", {**OVER, "routed_bias_average_fraction": 0.0})
     programs = shared_programs([plain, run_b])
     assert programs[0] != programs[1]
+
+
+def test_the_chain_of_segment_programs_averages_as_the_one_program():
+    """step_programs=segments (a TPU's auto) updates the mean in its last program: two steps
+    of each, the mean and the kept bias the same."""
+    over = {**OVER, "steps": 2}
+    runs = []
+    for programs in ("one", "segments"):
+        cfg = load_config("deepseek4-smoke", {**over, "step_programs": programs})
+        model = DeepSeekV4(cfg, rngs=nnx.Rngs(0))
+        opt = new_optimizer(cfg, model)
+        step = make_train_step(cfg, model)
+        for i in range(2):
+            step(model, opt, *batch(1, 2, seed=i))
+        runs.append((np.asarray(get_biases(model, "bias_average")), np.asarray(get_biases(model))))
+    (mean, kept), (chain_mean, chain_kept) = runs
+    assert np.abs(mean).max() > 0
+    np.testing.assert_allclose(chain_mean, mean, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(chain_kept, chain_mean)
+    np.testing.assert_array_equal(kept, mean)
