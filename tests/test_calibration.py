@@ -18,11 +18,13 @@ SMALL = dict(steps=3, max_target_length=16, per_device_batch_size=2,
 
 def test_calibration_refits_the_final_biases_on_fresh_training_batches(tmp_path):
     """Two runs equal but for the calibration: the calibrated run saves the biases that
-    refit_biases fits at the final weights on the next 5 training batches (3-7, none trained on),
-    and its probe keeps the online bias's counts, which are the other run's final counts."""
+    calibrated_biases fits at the final weights on the next 5 training batches (3-7, none
+    trained on), and its probe keeps the online bias's counts, which are the other run's final
+    counts."""
     from moebalance.model.transformer import get_biases
     from moebalance.training import sharding
-    from moebalance.training.calibration import biases_set_to, probe_counts, refit_biases
+    from moebalance.training.calibration import (biases_set_to, calibrated_biases, probe_counts,
+                                                 refit_biases)
     from moebalance.training.loop import build, probe_set
     from moebalance.training.step import make_eval_step
 
@@ -36,7 +38,7 @@ def test_calibration_refits_the_final_biases_on_fresh_training_batches(tmp_path)
     source = batches(online_cfg)
     model, optimizer = build(online_cfg, mesh, source)
     checkpoint.restore_latest(RunDir(tmp_path / "online").checkpoints, model, optimizer)
-    expected = refit_biases(online_cfg, model, mesh, source, first=3, batches=5, iterations=1)
+    expected = calibrated_biases(online_cfg, model, mesh, source, first=3, batches=5)
     checkpoint.restore_latest(RunDir(tmp_path / "calibrated").checkpoints, model, optimizer)
     np.testing.assert_array_equal(np.asarray(get_biases(model)), np.asarray(expected))
     # the probe's refit, which judges the calibration, fits batches 8-9: after the calibration's

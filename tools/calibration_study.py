@@ -3,9 +3,10 @@
 Loads RUN_DIR's latest checkpoint (a run trained with `routed_bias_calibration_batches=0`, so its
 biases are the online rule's) and measures its probe set (the first `--probe-batches` held-out
 micro-batches) with each candidate bias: the online one; refitted (training.calibration.
-refit_biases) on the run's last N training batches (already trained on), or on N fresh training
-batches (the next ones the run would train on), with 1 or more iterations; and, as the reference,
-refits with 4 iterations on as many fresh batches disjoint from the candidates'. Per candidate:
+calibrated_biases) on the run's last N training batches (already trained on), or on N fresh
+training batches (the next ones the run would train on), with 1 or more iterations; and, as the
+reference, the refit (refit_biases, its fixed point) on as many fresh batches disjoint from the
+candidates'. Per candidate:
 the mean and std over the probe set of the variance summed over the top-k layers, / the sampling
 floor, / the reference refit of the same size. JSON on stdout.
 
@@ -27,7 +28,8 @@ from moebalance.metrics import load_stats, sampling_floor
 from moebalance.model.transformer import routed_layers
 from moebalance.rundir import RunDir
 from moebalance.training import checkpoint, sharding
-from moebalance.training.calibration import biases_set_to, probe_counts, refit_biases
+from moebalance.training.calibration import (biases_set_to, calibrated_biases, probe_counts,
+                                             refit_biases)
 from moebalance.training.loop import build, probe_set
 from moebalance.training.step import make_eval_step
 
@@ -70,7 +72,7 @@ def main() -> None:
     after = step + max(sizes)
     references = {}
     for n in sizes:
-        references[n] = (after, n, 4)
+        references[n] = (after, n)
         after += n
 
     results = {"run": str(args.run), "step": step, "probe_batches": len(probes),
@@ -78,16 +80,16 @@ def main() -> None:
     online = judge()
     results["candidates"]["online"] = {"mean": float(online.mean()), "std": float(online.std())}
     refit_means = {}
-    for n, (first, batches, iterations) in references.items():
+    for n, (first, batches) in references.items():
         start = time.perf_counter()
-        v = judge(refit_biases(cfg, model, mesh, train_data, first, batches, iterations))
+        v = judge(refit_biases(cfg, model, mesh, train_data, first, batches))
         refit_means[n] = float(v.mean())
-        results["candidates"][f"reference refit {n}, 4 it (batches {first}-{first + n - 1})"] = {
+        results["candidates"][f"reference refit {n} (batches {first}-{first + n - 1})"] = {
             "mean": float(v.mean()), "std": float(v.std()),
             "seconds": round(time.perf_counter() - start, 1)}
     for name, (first, batches, iterations) in candidates.items():
         start = time.perf_counter()
-        v = judge(refit_biases(cfg, model, mesh, train_data, first, batches, iterations))
+        v = judge(calibrated_biases(cfg, model, mesh, train_data, first, batches, iterations))
         results["candidates"][name] = {"mean": float(v.mean()), "std": float(v.std()),
                                        "vs_reference": float(v.mean()) / refit_means[
                                            min(refit_means, key=lambda n: abs(n - batches))],

@@ -225,6 +225,33 @@ def quantile_bias(
     return new_bias.reshape(bias.shape)
 
 
+def quantile_fixed_point(
+    scores: jax.Array, bias: jax.Array, k: int, *, mask: jax.Array | None = None,
+    rate: float = 0.7, iterations: int = 8,
+) -> jax.Array:
+    """Towards the bias at which `quantile_bias` on these scores changes nothing but a common
+    shift (which routes no token otherwise), where each expert receives ~N*K/E of these tokens
+    at the others' final biases (the bounds of `quantile_bias`). One fit moves every expert at
+    once against the others' old biases (a Jacobi step), and at rate 1 the experts overshoot in
+    turn; this moves `rate` of the way each time, the common shift removed (the bias keeps its
+    mean), until nothing moves, at most `iterations` times. deepseek4-tiny's 40 top-k blocks
+    on 65,536 tokens (docs/performance.md): within 3 tokens of N*K/E = 16,384 after 8, within 1
+    after 16 (63 ms of CPU each on [65536, 16]). Arguments as quantile_bias's; returns float32,
+    bias's shape."""
+    def unsettled(state):
+        done, _, moved = state
+        return moved & (done < iterations)
+
+    def fit(state):
+        done, current, _ = state
+        step = quantile_bias(scores, current, k, mask=mask) - current
+        step = rate * (step - step.mean(-1, keepdims=True))
+        return done + 1, current + step, jnp.any(step != 0)
+
+    start = (jnp.int32(0), bias.astype(jnp.float32), jnp.bool_(True))
+    return jax.lax.while_loop(unsettled, fit, start)[1]
+
+
 def _flip_negatives(bits: jax.Array) -> jax.Array:
     """float32 bits (as int32) <-> int32 keys with the floats' order: negative floats have their
     magnitude bits flipped. Its own inverse."""

@@ -57,6 +57,7 @@ class RoutingRecord(NamedTuple):
     logits: jax.Array  # [..., E] f32, raw router logits (for the z-loss)
     counts: jax.Array  # [E] int32, assignments per expert over the valid tokens (before any drop)
     dropped: jax.Array  # [] int32, assignments dropped by a capacity limit (0 when dropless)
+    bias: jax.Array  # [E] f32, the selection bias the layer routed with (0 on a hash layer)
 
 
 def check_topk(k: int, num_experts: int) -> None:

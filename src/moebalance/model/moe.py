@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from moebalance import routing
-from moebalance.balancing import expert_counts
+from moebalance.balancing import expert_counts, quantile_fixed_point
 from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Config
 from moebalance.kernels import grouped_matmul, platform
 from moebalance.model.dispatch import gather_rows, plan_dispatch
@@ -199,6 +199,8 @@ class MoE(nnx.Module):
         self.bias = None if hash_table is not None else RouterBias(constant(0.0, (e,)))
         self.bias_average = (RouterBiasAverage(constant(0.0, (e,)))
                              if c.average_bias and self.bias is not None else None)
+        # True: before routing, the bias is fitted to the tokens routed (transformer.fitting_biases)
+        self.fit_bias = False
         self.w1 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # gate
         self.w3 = nnx.Param(dense_init(rngs, (e, d, f), wdtype, fan_in=d))  # up
         self.w2 = nnx.Param(dense_init(rngs, (e, f, d), wdtype, fan_in=f))  # down
@@ -236,14 +238,20 @@ class MoE(nnx.Module):
                 route_scale=c.routed_scaling_factor,
                 normalize=True if normalize is None else normalize,
             )
+            bias = jnp.zeros(c.num_experts, jnp.float32)
         else:
+            bias = self.bias[...]
+            if self.fit_bias:  # the bias that balances these tokens, from the layer's own
+                bias = quantile_fixed_point(routing.compute_scores(logits, c.routed_score_func),
+                                            bias, c.num_experts_per_tok, mask=mask)
             indices, weights, scores = routing.route(
-                logits, self.bias[...], k=c.num_experts_per_tok, score_fn=c.routed_score_func,
+                logits, bias, k=c.num_experts_per_tok, score_fn=c.routed_score_func,
                 route_scale=c.routed_scaling_factor, n_groups=c.n_routing_groups,
                 topk_groups=c.topk_routing_group, normalize=normalize,
             )
         counts = expert_counts(indices, c.num_experts, mask)
-        return RoutingRecord(indices, weights, scores, logits, counts, jnp.zeros((), jnp.int32))
+        return RoutingRecord(indices, weights, scores, logits, counts, jnp.zeros((), jnp.int32),
+                             bias)
 
     def _layout(self, num_tokens):
         c = self.config

@@ -12,6 +12,7 @@ model compiles like a handful of blocks; `scan_layers=False` unrolls everything 
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -395,6 +396,20 @@ def get_biases(model: DeepSeekV4, which: str = "bias") -> jax.Array:
     stacked = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
     order = np.argsort(np.concatenate([rows for _, rows in groups]))
     return stacked if np.array_equal(order, np.arange(len(order))) else stacked[order]
+
+
+@contextlib.contextmanager
+def fitting_biases(model: DeepSeekV4):
+    """Inside the block, each top-k block of `model` routes the tokens it is given with the bias
+    that balances them (balancing.quantile_fixed_point from its own bias), fitted on their
+    scores as the earlier blocks, with theirs, pass them on; its record's `bias` is that bias.
+    The blocks' own biases are not changed. A change of the model's structure: a step traced
+    inside the block compiles a program of its own."""
+    model.set_attributes(MoE, fit_bias=True)
+    try:
+        yield
+    finally:
+        model.set_attributes(MoE, fit_bias=False)
 
 
 def set_biases(model: DeepSeekV4, biases: jax.Array, which: str = "bias") -> None:

@@ -2,6 +2,7 @@
 calibration a run applies after its last step.
 
     refit_biases(cfg, model, mesh, source, first, batches)   -> [L_routed, E] fitted biases
+    calibrated_biases(cfg, model, mesh, source, first, batches) -> one Jacobi step towards them
     biases_set_to(model, biases)                              a block that routes with them
     calibrate_biases(cfg, model, mesh, train_data, batches)   the run's own biases := the fit
     first_unused_batch(cfg)                                   where a judging refit starts
@@ -21,29 +22,49 @@ from moebalance import balancing
 from moebalance.config import Config
 from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers, set_biases
 from moebalance.training import sharding
-from moebalance.training.step import bind_model, make_score_step
+from moebalance.training.step import bind_model, make_fit_step, make_score_step
 
-# One program for the fit: run eagerly, its bisection loop (a lax.fori_loop) was compiled anew on
-# every call, ~1.3 s each time on a loaded 2-core CPU.
+# One program for the calibration's fit: run eagerly, its bisection loop (a lax.fori_loop) was
+# compiled anew on every call, ~1.3 s each time on a loaded 2-core CPU.
 _quantile_fit = jax.jit(balancing.quantile_bias, static_argnums=2)
 
 
-def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batches: int,
-                 iterations: int = 4) -> jax.Array:
+def fit_tokens(mesh, source, first: int, batches: int) -> tuple[list, list]:
+    """The micro-batches of `batches` batches of `source` from batch `first` on: their tokens
+    [B, S+1] and segment ids [B, S], in order, as two lists."""
+    tokens, segment_ids = [], []
+    for i in range(first, first + batches):
+        batch_tokens, _, batch_segments = sharding.global_batch(mesh, *source.batch(i))
+        tokens += list(batch_tokens)
+        segment_ids += list(batch_segments)
+    return tokens, segment_ids
+
+
+def refit_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int,
+                 batches: int) -> jax.Array:
     """[L_routed, E] float32: the top-k biases that balance `batches` batches of `source` (from
     batch `first` on) at the model's current weights, i.e. what a perfectly estimated bias would
-    be on that data. Quantile Balancing (undamped) on all their tokens at once, repeated
-    `iterations` times, since a block's input depends on the earlier blocks' biases. The model's
-    own biases are put back unchanged."""
+    be on that data: its fixed point, reached in one forward pass over all their tokens at once
+    (make_fit_step), since a block's scores depend only on the earlier blocks' biases. The
+    model's own biases are left unchanged."""
+    tokens, segment_ids = fit_tokens(mesh, source, first, batches)
+    return make_fit_step(cfg, model, mesh)(model, jnp.concatenate(tokens),
+                                           jnp.concatenate(segment_ids))
+
+
+def calibrated_biases(cfg: Config, model: DeepSeekV4, mesh, source, first: int, batches: int,
+                      iterations: int = 1) -> jax.Array:
+    """[L_routed, E] float32: `iterations` undamped Quantile Balancing fits of every top-k block
+    at once on the scores of all the tokens of `batches` batches of `source` (from batch `first`
+    on), routed by the previous fit's biases (the first by the model's own): Jacobi steps
+    towards `refit_biases`. The model's own biases are put back unchanged."""
     score_step = bind_model(make_score_step(cfg, model, mesh), model)
-    fit_batches = []
-    for i in range(first, first + batches):
-        tokens, _, segment_ids = sharding.global_batch(mesh, *source.batch(i))
-        fit_batches += [(tokens[a], segment_ids[a]) for a in range(tokens.shape[0])]
+    tokens, segment_ids = fit_tokens(mesh, source, first, batches)
     fit = get_biases(model)
     for _ in range(iterations):
         with biases_set_to(model, fit):
-            scores = jnp.concatenate([score_step(t, s) for t, s in fit_batches], axis=1)
+            scores = jnp.concatenate([score_step(t, s) for t, s in zip(tokens, segment_ids)],
+                                     axis=1)
         fit = _quantile_fit(scores, fit, cfg.num_experts_per_tok)
     return fit
 
@@ -87,13 +108,12 @@ def first_unused_batch(cfg: Config) -> int:
 def calibrate_biases(cfg: Config, model: DeepSeekV4, mesh, train_data, batches: int) -> None:
     """After the last step: set every top-k bias to the one that balances the next `batches`
     training batches (fresh: batches steps .. steps + batches - 1, which no step trained on) at
-    the final weights, one undamped fit per block on all their tokens (`refit_biases`). The
+    the final weights, one undamped fit per block on all their tokens (`calibrated_biases`). The
     online rule fits each batch with the weights of its own step, which lag behind the router,
     and can only average few batches; this fit sees many batches as the final weights route
     them, and, like the data the model will meet, none it was trained on (docs/results.md,
     issue 27: on the run's own last batches it was up to 1.3x worse than on fresh ones)."""
-    set_biases(model, refit_biases(cfg, model, mesh, train_data, cfg.steps, batches,
-                                   iterations=1))
+    set_biases(model, calibrated_biases(cfg, model, mesh, train_data, cfg.steps, batches))
 
 
 def probe_counts(eval_step, model: DeepSeekV4, probes: list[tuple]) -> np.ndarray:

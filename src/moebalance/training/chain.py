@@ -9,6 +9,7 @@ programs).
                 backwards in reverse; then apply (AdamW and the bias update): `segment_steps`
     evaluation  embed -> segments forward only (`infer`, shared with scoring) -> evaluate
     scoring     embed -> segments (the same programs) -> score: `inference_chain`
+    fitting     embed -> segments (the model in its fit mode) -> the fitted biases
 
 A chain is a function chain(call, model, split model, *args) that runs its programs in order
 through call(program, *its args): `_chain_step` makes it a step that runs them, binds a model
@@ -269,6 +270,7 @@ def segment_steps(key: str, routed: tuple[int, ...], mesh):
 class InferenceChain(typing.NamedTuple):
     eval_step: typing.Callable  # make_eval_step's step
     score_step: typing.Callable  # (routed, num_experts) -> make_score_step's step
+    fit_step: typing.Callable  # routed -> make_fit_step's step (the model in its fit mode)
 
 
 @functools.cache
@@ -298,6 +300,10 @@ def inference_chain(mesh) -> InferenceChain:
         scores = jnp.concatenate([record.scores for record in records])[np.asarray(routed)]
         return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
 
+    @functools.partial(jax.jit, static_argnums=0)
+    def fitted(routed, records):
+        return jnp.concatenate([record.bias for record in records])[np.asarray(routed)]
+
     def trunk(call, model, split_model, tokens, segment_ids):
         """-> (graphdef, state, the last streams, each segment's record)."""
         graphdef, state = split_model
@@ -318,4 +324,9 @@ def inference_chain(mesh) -> InferenceChain:
                         trunk(call, model, split_model, tokens, segment_ids)[3])
         return _chain_step(chain, mesh)
 
-    return InferenceChain(_chain_step(evaluation, mesh), scoring)
+    def fitting(routed):
+        def chain(call, model, split_model, tokens, segment_ids):
+            return call(fitted, routed, trunk(call, model, split_model, tokens, segment_ids)[3])
+        return _chain_step(chain, mesh)
+
+    return InferenceChain(_chain_step(evaluation, mesh), scoring, fitting)

@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from moebalance.config import Config
-from moebalance.model.transformer import DeepSeekV4, routed_layers
+from moebalance.model.transformer import DeepSeekV4, fitting_biases, routed_layers
 from moebalance.training import chain
 from moebalance.training.objective import (SWITCHES, apply_gradients, bias_rate,
                                            evaluation_sums, losses, lr_schedule, switches)
@@ -310,3 +310,41 @@ def _score_step(routed: tuple[int, ...], num_experts: int, mesh):
         return scores.reshape(len(routed), -1, num_experts).astype(jnp.float32)
 
     return on_mesh(score_step, mesh)
+
+
+def make_fit_step(cfg: Config, model: DeepSeekV4, mesh=None):
+    """-> step(model, tokens [B, S+1], segment_ids [B, S]) -> [L_routed, E] float32: the top-k
+    blocks' biases that balance these B*S tokens, each block's fitted to its fixed point on their
+    scores given the earlier blocks' fitted biases (transformer.fitting_biases), in one forward
+    pass; the model's own biases are left as they are. With `step_programs: segments` a chain of
+    programs (chain.inference_chain). Lowered (ahead.compile_ahead) in the fit mode too."""
+    routed = tuple(routed_layers(model))
+    fit = (chain.inference_chain(mesh).fit_step(routed) if chained(cfg, mesh)
+           else _fit_step(routed, mesh))
+
+    def step(model, tokens, segment_ids):
+        with fitting_biases(model):
+            return fit(model, tokens, segment_ids)
+
+    if hasattr(fit, "lower_programs"):
+        def lower_programs(emit, model, *args):
+            with fitting_biases(model):
+                return fit.lower_programs(emit, model, *args)
+        step.lower_programs = lower_programs
+    else:
+        def lower(model, *args):
+            with fitting_biases(model):
+                return fit.lower(model, *args)
+        step.lower = lower
+    return step
+
+
+@functools.cache
+def _fit_step(routed: tuple[int, ...], mesh):
+    routed = jnp.asarray(routed, jnp.int32)
+
+    @nnx.jit
+    def fit_step(model, tokens, segment_ids):
+        return model(tokens[:, :-1], segment_ids=segment_ids).routing.bias[routed]
+
+    return on_mesh(fit_step, mesh)
