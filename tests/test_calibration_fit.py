@@ -1,7 +1,8 @@
-"""The refit's one fitted forward pass (refit_biases) against a slow sequential reference, and
-the balance it reaches."""
+"""The refit's one fitted forward pass (refit_biases) against a slow sequential reference, the
+balance it reaches, and the A/B's probe before the first step measured once."""
 
 import inspect
+import json
 
 import numpy as np
 import pytest
@@ -71,7 +72,8 @@ def micro_batches(mesh, source):
 def test_refit_is_the_sequential_fixed_point_of_every_layer(programs):
     """The slow way, layer by layer: with the earlier top-k blocks at their fitted biases, a
     whole forward pass (the score step) gives the block's scores on all the fit tokens, and
-    Quantile Balancing repeated in NumPy until it settles gives its bias. refit_biases' one pass
+    Quantile Balancing stepped in NumPy as quantile_fixed_point steps it gives its bias (sort
+    and np.quantile against a bisection, layer after layer against one pass). refit_biases' pass
     gives the same biases (float32: both take quantiles of the same margins, |b| < 2, to a few
     ulps); at them every block gives each expert N*K/E of the fit tokens, up to one for the
     rounding of the quantile or the size of a tie of margins at it. The model's biases are left
@@ -105,3 +107,28 @@ def test_refit_is_the_sequential_fixed_point_of_every_layer(programs):
     off = np.abs(counts[cfg.first_num_hash_layers:] - target).max(-1)
     assert (off <= np.maximum(1, ties)).all(), (off, ties)
 
+
+def test_run_b_takes_run_a_s_probe_before_the_first_step(tmp_path, monkeypatch):
+    """The A/B measures the probe set before the first step once: Run B starts from Run A's draw
+    with the same zero biases; what it records is what its own config, drawn and measured alone,
+    gives."""
+    from moebalance.experiment import ab
+    from moebalance.training import loop, sharding
+    from moebalance.training.calibration import probe_counts
+    from moebalance.training.step import make_eval_step
+
+    measured = []
+    monkeypatch.setattr(loop, "probe_counts",
+                        lambda *args: measured.append(1) or probe_counts(*args))
+    cfg = load_config("deepseek4-smoke", dict(steps=1, max_target_length=16,
+                                              per_device_batch_size=2, probe_batches=2,
+                                              routed_bias_calibration_batches=1,
+                                              probe_refit_batches=1))
+    ab(cfg, tmp_path / "ab")
+    assert len(measured) == 1
+    mesh = sharding.make_mesh(cfg)
+    model, _ = loop.build(cfg, mesh)
+    alone = probe_counts(make_eval_step(cfg, model, mesh), model, loop.probe_set(cfg, mesh))
+    for run in ("run_a", "run_b"):
+        recorded = json.loads((tmp_path / "ab" / run / "probe_counts.json").read_text())
+        np.testing.assert_array_equal(recorded["set"]["counts"]["0"], alone)

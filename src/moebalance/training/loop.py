@@ -41,7 +41,8 @@ from moebalance.training.ahead import compile_ahead
 from moebalance.training.calibration import (calibration_batches, final_probe, fits_biases,
                                              probe_counts)
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
-from moebalance.training.step import (config_key, make_eval_step, make_score_step,
+from moebalance.training.objective import SWITCHES
+from moebalance.training.step import (BIAS_KEYS, config_key, make_eval_step, make_score_step,
                                       make_train_step, new_optimizer, schedule_changes)
 from moebalance.training.validation import Validation
 
@@ -78,7 +79,7 @@ def train(cfg: Config, out: Path, *, overwrite: bool = False, resume: bool = Fal
         validation = Validation(cfg, mesh, eval_step)
         tokens = cfg.gradient_accumulation_steps * train_data.global_batch * cfg.max_target_length
         if first == 0:  # every process measures (collectives), process 0 writes
-            counts = probe_counts(eval_step, model, probes)
+            counts = _initial_probe(cfg, program, eval_step, model, probes)
             if writer:
                 run.write_probe(0, counts, routing, probes[0][1].size)
         record = {}
@@ -257,6 +258,7 @@ def _hash_tables(cfg: Config, train_data) -> list | None:
 
 
 _draws: dict | None = None  # inside shared_draws(): the models drawn, by their program's config
+_probed: dict | None = None  # and their probe set's counts (_initial_probe), by the same key
 
 
 @contextlib.contextmanager
@@ -266,12 +268,30 @@ def shared_draws():
     the later ones start from a copy of it instead of drawing again (deepseek4-tiny's draw:
     1.1 s on a 2-core CPU, most of Run B's 1.3-2.2 s build on a TPU v5e's host). A program's runs
     differ only in their balancing switches, which no weight depends on."""
-    global _draws
-    outer, _draws = _draws, {}
+    global _draws, _probed
+    outer, _draws, _probed = (_draws, _probed), {}, {}
     try:
         yield
     finally:
-        _draws = outer
+        _draws, _probed = outer
+
+
+def _initial_probe(cfg: Config, program: Config | None, eval_step, model, probes) -> np.ndarray:
+    """probe_counts before the first step. Inside shared_draws(), runs whose config is their
+    program's but for its balancing (SWITCHES, BIAS_KEYS; the A/B's two) start from one draw
+    (build) with the same zero biases and measure the same probe set: the first run's counts
+    serve the others (Run B's measurement again took 5 s on a 2-core CPU)."""
+    key = None
+    if _probed is not None and program is not None:
+        balancing = {name: getattr(program, name) for name in SWITCHES + BIAS_KEYS}
+        if config_key(dataclasses.replace(cfg, **balancing)) == config_key(program):
+            key = config_key(program)
+    if key not in (_probed or {}):
+        counts = probe_counts(eval_step, model, probes)
+        if key is None:
+            return counts
+        _probed[key] = counts
+    return _probed[key]
 
 
 def build(cfg: Config, mesh, train_data=None, *, restoring: bool = False,
