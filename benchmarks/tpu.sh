@@ -63,17 +63,14 @@
 #     study-v5e.json; at 65521cf's 4 x 1024 tokens three arms in 1,232 s, study-v5e-65521cf.json);
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
-#   bash benchmarks/tpu.sh tests [FILES...]  `pytest -n 0 --device-tests` on FILES, stopped after
-#     $TESTS_LIMIT seconds (default 540) as by Ctrl-C, reporting what ran (default the
-#     whole selection, 196 tests at 5fbc41a, more than two device calls hold) -> "tests", JUnit
-#     XML in $OUT/tests.xml, its output in $OUT/tests.txt. On a fresh machine the installation
-#     takes over 100 s of the call: keep TESTS_LIMIT <= 450 there, or pytest is killed with the
-#     call before it reports (2026-12-07, TESTS_LIMIT=490: 144 tests passed, nothing recorded).
-#     The two calls of 2026-12-07 at a93b4f0 (all passing; TESTS_LIMIT=550):
-#     tests/test_balancing.py tests/test_cross_entropy.py tests/test_export.py
-#     tests/test_generate.py tests/test_precision.py tests/test_routing.py tests/test_metrics.py
-#     tests/test_moe.py (140 tests, 400 s); then tests/test_model.py tests/test_train_step.py
-#     (53 tests, 503 s).
+#   bash benchmarks/tpu.sh tests [ARGS...]  `pytest -n 0 --device-tests` on ARGS (files, test
+#     ids, or @FILE of test ids: pytest reads the arguments from it), stopped after $TESTS_LIMIT
+#     seconds (default 540) as by Ctrl-C, reporting what ran (default the whole selection) ->
+#     "tests", JUnit XML in $OUT/tests.xml, its output in $OUT/tests.txt, each test's JAX
+#     compilations and their seconds in $OUT/test-compiles.json (benchmarks/pytest_compiles.py).
+#     The installation takes 12 s on a fresh machine (2026-12-07: 48 wheels unpacked in 3.8 s; with
+#     pip it took over 100 s). Two device calls hold the whole selection: the first runs it all
+#     until its limit, the second the tests the first's tests.xml lacks, listed in a file.
 #
 # Each part has its own time limit (opening the chip costs ~15 s per program, and only one
 # program holds it at a time), all well under the device call's 600 s. Logs: $OUT/log.txt

@@ -19,6 +19,13 @@ yet is created with this part alone; model_step.py's first run adds the device a
     python benchmarks/tpu_record.py peer RECORD MAXTEXT_LOG [--config TEXT]
     python benchmarks/tpu_record.py ab RECORD EXPERIMENT_DIR DATE FIRST_S [SECOND_S]
     python benchmarks/tpu_record.py tests RECORD JUNIT_XML DATE
+
+and, for the device call that finishes a selection another call began:
+
+    left  the tests of a selection (`pytest --device-tests --collect-only` here on ARGS) that a
+          run's JUnit XML lacks, one id a line, into FILE, for `tpu.sh tests @FILE`
+
+    python benchmarks/tpu_record.py left JUNIT_XML FILE [ARGS...]
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import collections
 import json
 import re
 import statistics
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -94,6 +103,24 @@ def tests_part(junit_xml: str, date: str) -> dict:
             "failures": [t for t, o in outcomes.items() if o == "failed"], "outcomes": outcomes}
 
 
+def test_ids(junit_xml: str) -> set[str]:
+    """The pytest ids (tests/test_x.py::name[params]) of the tests a JUnit XML reports."""
+    suite = ET.fromstring(junit_xml)
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return {f"{c.get('classname').replace('.', '/')}.py::{c.get('name')}"
+            for c in suite.findall("testcase") if c.get("classname")}
+
+
+def left(junit_xml: str, args: list[str]) -> list[str]:
+    """The ids of the `--device-tests` selection on args, in pytest's order, that the XML lacks
+    (the project's addopts give -q: one id a line)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-n", "0",
+                           "--device-tests", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, check=True)
+    ran = test_ids(junit_xml)
+    return [line for line in done.stdout.splitlines() if "::" in line and line not in ran]
+
+
 def merge_tests(tests: dict | None, part: dict) -> dict:
     """The record's "tests" with `part` in place of any earlier part of the same files: each test
     counted once, by its latest part's outcome; the parts' device time; the latest date. Parts
@@ -137,7 +164,16 @@ def main(argv=None):
     tests.add_argument("record", type=Path)
     tests.add_argument("junit", type=Path)
     tests.add_argument("date")
+    rest = sub.add_parser("left")
+    rest.add_argument("junit", type=Path)
+    rest.add_argument("file", type=Path)
+    rest.add_argument("args", nargs="*")
     args = parser.parse_args(argv)
+    if args.part == "left":
+        ids = left(args.junit.read_text(), args.args)
+        args.file.write_text("".join(f"{i}\n" for i in ids))
+        print(f"{len(ids)} tests left -> {args.file}")
+        return
     record = json.loads(args.record.read_text()) if args.record.exists() else {}
     if args.part == "peer":
         set_part(args.record, "peer", maxtext_run(args.log.read_text(), args.config))

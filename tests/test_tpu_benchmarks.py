@@ -213,6 +213,23 @@ def test_parts_recorded_without_outcomes_leave_the_hand_checked_totals(tpu_recor
     assert tests["parts"][-1]["outcomes"] == {"tests.test_a::one": "passed"}
 
 
+def test_left_lists_the_selection_a_run_did_not_finish_in_pytests_order(tpu_record, tmp_path):
+    """The second device call's list: the `--device-tests` tests of the files given that the first
+    call's XML lacks (not run, or interrupted by the limit), ids as pytest takes them."""
+    every = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-n", "0",
+                            "--device-tests", "tests/test_metrics.py", "tests/test_docs.py"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    ids = [line for line in every.splitlines() if "::" in line]
+    assert ids and all(i.startswith("tests/test_metrics.py::") for i in ids)  # not numerics: out
+    xml = tmp_path / "tests.xml"
+    xml.write_text(_junit(10.0, **{f"test_metrics.{i.split('::')[1]}": "" for i in ids[::2]}))
+    left = tmp_path / "left.txt"
+    subprocess.run([sys.executable, "benchmarks/tpu_record.py", "left", str(xml), str(left),
+                    "tests/test_metrics.py", "tests/test_docs.py"], cwd=ROOT, check=True,
+                   capture_output=True)
+    assert left.read_text().splitlines() == ids[1::2]
+
+
 def test_tpu_scripts_parse():
     for script in ("tpu.sh", "tpu_wheels.sh", "accelerator.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
