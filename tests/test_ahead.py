@@ -65,8 +65,8 @@ def test_an_error_while_lowering_reaches_the_caller():
 
 
 def test_a_run_compiles_its_steps_before_the_first_and_each_once(tmp_path, compile_log):
-    # its own seed: a training step no other test compiled; calibration and a refit use the
-    # score step
+    # its own seed: a training step no other test compiled; the calibration uses the score
+    # step, the refit the fit step
     cfg = load_config("deepseek4-smoke", dict(
         steps=2, max_target_length=16, per_device_batch_size=2, seed=91,
         routed_bias_calibration_batches=1, probe_refit_batches=1))
@@ -74,7 +74,7 @@ def test_a_run_compiles_its_steps_before_the_first_and_each_once(tmp_path, compi
     assert before_first.count("step") == 1
     compiled = compilations(compile_log)
     assert compiled.count("step") == 1
-    for program in ("eval_step", "score_step"):  # earlier tests may have compiled these
+    for program in ("eval_step", "score_step", "fit_step"):  # earlier tests may compile these
         assert compiled.count(program) <= 1
 
 
@@ -83,15 +83,15 @@ def test_a_run_on_a_chain_of_programs_compiles_each_before_the_first_step_and_on
     # step_programs=segments: deepseek4-smoke's 3 segments make 5 parts (the embedding, the
     # segments, the head with its losses): 4 forward and 4 backward programs, the head's, one
     # accumulation per part (2 micro-batches) and AdamW's; evaluation and scoring share 4
-    # forward-only programs (infer) and have one each of their own; traced in turn, compiled
-    # side by side
+    # forward-only programs (infer) and have one each of their own; the refit's fit mode 4 more
+    # (infer, a model of another structure) and its own; traced in turn, compiled side by side
     cfg = load_config("deepseek4-smoke", dict(
         steps=2, max_target_length=16, per_device_batch_size=2, seed=92,
         gradient_accumulation_steps=2, step_programs="segments",
         routed_bias_calibration_batches=1, probe_refit_batches=1))
     before_first = train_noting_compilations(cfg, tmp_path / "run", compile_log)
-    expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1, "infer": 4,
-                "evaluate": 1, "score": 1}
+    expected = {"forward": 4, "backward": 4, "head": 1, "accumulate": 5, "apply": 1, "infer": 8,
+                "evaluate": 1, "score": 1, "fitted": 1}
     assert {name: before_first.count(name) for name in expected} == expected
     compiled = compilations(compile_log)
     assert {name: compiled.count(name) for name in expected} == expected

@@ -94,11 +94,6 @@ def refits(cfg: Config, model: DeepSeekV4) -> bool:
     return bool(cfg.probe_refit_batches and cfg.routed_bias and routed_layers(model))
 
 
-def fits_biases(cfg: Config, model: DeepSeekV4) -> bool:
-    """Whether a run fits biases after its last step (calibration or refit): its score step."""
-    return bool(calibration_batches(cfg, model) or refits(cfg, model))
-
-
 def first_unused_batch(cfg: Config) -> int:
     """The first training batch that neither the steps nor the calibration saw: where a refit
     that judges the run's biases starts."""

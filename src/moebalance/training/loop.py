@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -38,12 +39,13 @@ from moebalance.routing import build_hash_table
 from moebalance.rundir import RunDir, RunStopped
 from moebalance.training import checkpoint, compiled, sharding
 from moebalance.training.ahead import compile_ahead
-from moebalance.training.calibration import (calibration_batches, final_probe, fits_biases,
-                                             probe_counts)
+from moebalance.training.calibration import (calibration_batches, final_probe, probe_counts,
+                                             refits)
 from moebalance.training.hooks import Hook, Hooks, StepLogFile, TensorBoard
 from moebalance.training.objective import SWITCHES
-from moebalance.training.step import (BIAS_KEYS, config_key, make_eval_step, make_score_step,
-                                      make_train_step, new_optimizer, schedule_changes)
+from moebalance.training.step import (BIAS_KEYS, config_key, make_eval_step, make_fit_step,
+                                      make_score_step, make_train_step, new_optimizer,
+                                      schedule_changes)
 from moebalance.training.validation import Validation
 
 
@@ -118,8 +120,8 @@ def _compiled_steps(cfg: Config, program: Config | None, mesh, state: tuple, pro
                     batch: tuple | None) -> tuple:
     """(training step, evaluation step) of the run, compiled side by side before their first call
     (ahead.compile_ahead), and with them, where the program (make_train_step's; default `cfg`)
-    fits biases after its last step, the score step. `batch`: the first step's local rows; None
-    when no step is left."""
+    calibrates its biases after its last step, the score step, where it refits them, the fit
+    step. `batch`: the first step's local rows; None when no step is left."""
     model, optimizer = state
     program = program or cfg
     step_fn = make_train_step(cfg, model, mesh, program)
@@ -128,8 +130,12 @@ def _compiled_steps(cfg: Config, program: Config | None, mesh, state: tuple, pro
         if batch is not None:  # the longest compilation first
             tokens, mask, segment_ids = sharding.global_batch(mesh, *batch)
             ahead(step_fn, model, optimizer, tokens, mask, segment_ids)
-            if fits_biases(program, model):  # on micro-batches of the training data, as the refit
+            if calibration_batches(program, model):  # on micro-batches, as the calibration
                 ahead(make_score_step(program, model, mesh), model, tokens[0], segment_ids[0])
+            if refits(program, model):  # on all the refit's micro-batches at once
+                copies = program.probe_refit_batches * tokens.shape[0]
+                ahead(make_fit_step(program, model, mesh), model,
+                      *(jnp.concatenate([x[0]] * copies) for x in (tokens, segment_ids)))
         ahead(eval_step, model, *probe)
     return step_fn, eval_step
 
