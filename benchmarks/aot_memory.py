@@ -44,6 +44,7 @@ import jax
 
 from moebalance.config import load_config
 from moebalance.training import compiled, plan
+from moebalance.training.topology import topology_devices
 from moebalance.training.plan import GIB
 
 PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
@@ -124,7 +125,7 @@ def peak_buffers(live_range: str, hlo: str, top: int) -> list[dict]:
 
 def analyse(config: str, overrides: list[str], topology: str, batch: int, seq: int, top: int,
             with_plan: bool = True) -> dict:
-    devices, buffers = compiled.topology_devices(topology), []
+    devices, buffers = topology_devices(topology), []
     cfg = load_config(config, [*overrides, f"max_target_length={seq}",
                                f"per_device_batch_size={batch // len(devices)}"])
     with tempfile.TemporaryDirectory() as dump:
