@@ -17,7 +17,7 @@ from moebalance.model.transformer import DeepSeekV4, get_biases, routed_layers
 from moebalance.study import arms_from
 from moebalance.training import checkpoint
 from moebalance.training.step import make_train_step, new_optimizer, shared_programs
-from test_train_step import batch
+from test_train_step import ONE_TOPK, batch
 
 STEPS = 6
 OVER = dict(max_target_length=16, steps=STEPS, routed_bias_update_rule="sign",
@@ -152,7 +152,7 @@ def test_the_ab_runs_an_averaging_run_b_and_its_run_a_on_one_program():
 def test_the_chain_of_segment_programs_averages_as_the_one_program():
     """step_programs=segments (a TPU's auto) updates the mean in its last program: two steps
     of each, the mean and the kept bias the same."""
-    over = {**OVER, "steps": 2}
+    over = {**OVER, **ONE_TOPK, "steps": 2}
     runs = []
     for programs in ("one", "segments"):
         cfg = load_config("deepseek4-smoke", {**over, "step_programs": programs})

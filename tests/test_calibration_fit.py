@@ -10,6 +10,7 @@ import pytest
 from moebalance import balancing
 from moebalance.config import load_config
 from moebalance.data import batches
+from test_train_step import ONE_TOPK
 
 # 4 top-k blocks: layers 2-5, two of them single blocks' kinds repeated under a scan (a Stack of
 # 2 units of 2 blocks), after 2 hash-routed blocks; 3 batches of 4 x 64 tokens: N = 768
@@ -123,7 +124,7 @@ def test_run_b_takes_run_a_s_probe_before_the_first_step(tmp_path, monkeypatch):
     cfg = load_config("deepseek4-smoke", dict(steps=1, max_target_length=16,
                                               per_device_batch_size=2, probe_batches=2,
                                               routed_bias_calibration_batches=1,
-                                              probe_refit_batches=1))
+                                              probe_refit_batches=1, **ONE_TOPK))
     ab(cfg, tmp_path / "ab")
     assert len(measured) == 1
     mesh = sharding.make_mesh(cfg)
