@@ -87,12 +87,17 @@ def merge_ab(ab: dict | None, result: dict, date: str) -> dict:
 OUTCOMES = ("passed", "failed", "skipped")
 
 
+def _suite(junit_xml: str) -> tuple:
+    """A JUnit XML's test suite and its test cases (an interruption's case has no class)."""
+    suite = ET.fromstring(junit_xml)
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    return suite, [c for c in suite.findall("testcase") if c.get("classname")]
+
+
 def tests_part(junit_xml: str, date: str) -> dict:
     """One pytest run from its JUnit XML: its test files, outcome counts, wall time and date, the
     failed tests' ids and every test's outcome by id."""
-    suite = ET.fromstring(junit_xml)
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    cases = [c for c in suite.findall("testcase") if c.get("classname")]  # not an interruption
+    suite, cases = _suite(junit_xml)
     outcomes = {f"{c.get('classname')}::{c.get('name')}":
                 "failed" if c.find("failure") is not None or c.find("error") is not None
                 else "skipped" if c.find("skipped") is not None else "passed" for c in cases}
@@ -105,10 +110,8 @@ def tests_part(junit_xml: str, date: str) -> dict:
 
 def test_ids(junit_xml: str) -> set[str]:
     """The pytest ids (tests/test_x.py::name[params]) of the tests a JUnit XML reports."""
-    suite = ET.fromstring(junit_xml)
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     return {f"{c.get('classname').replace('.', '/')}.py::{c.get('name')}"
-            for c in suite.findall("testcase") if c.get("classname")}
+            for c in _suite(junit_xml)[1]}
 
 
 def left(junit_xml: str, args: list[str]) -> list[str]:
