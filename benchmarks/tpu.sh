@@ -42,8 +42,10 @@
 #   bash benchmarks/tpu.sh d1024 B A [key=value ...]  (~4 minutes) one run of the record: the
 #     d1024 step with bf16 weights, A micro-batches of B x 2048 tokens, the overrides given
 #     (e.g. `d1024 4 2 remat_policy=minimal`: 16,384 tokens a step as 2 x (4 x 2048));
-#   bash benchmarks/tpu.sh goals    (~8 minutes) issue 40's two goals as runs of the record:
-#     MaxText's shape as in `speed`, then 16,384 tokens a step, 2 x (4 x 2048), on 8 layers;
+#   bash benchmarks/tpu.sh goals    (~8 minutes) the guard of the step's speed (issue 58), two runs
+#     of the record: MaxText's shape as in `speed`, then the best 16,384-token step on 8 layers,
+#     4 x (2 x 2048) with remat minimal; run it first and last in a session that changes the
+#     step, with COMMIT=<short hash> in the call so that each row names the commit it measured;
 #   bash benchmarks/tpu.sh lowering  (~1 minute) benchmarks/lowering.py: how long the host traces and
 #     lowers deepseek4-tiny's programs, alone and beside their compilations -> $OUT/lowering.json;
 #   bash benchmarks/tpu.sh startup  (~2 minutes) benchmarks/startup.py: whether the packages' bytecode
@@ -95,7 +97,9 @@ unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 D1024=benchmarks/configs/deepseek4-d1024.yml
 BF16="weight_dtype=bfloat16 remat_policy=full"  # fp32 weights + AdamW: 16.7 GiB of state alone
-NOTES="benchmarks/tpu.sh"
+# the commit measured, given by the caller (the device machine's copy has no .git):
+# COMMIT=$(git rev-parse --short HEAD) in the device call's command
+NOTES="benchmarks/tpu.sh${COMMIT:+; project at $COMMIT}"
 PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain"
 PACKAGES="$PACKAGES|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"
@@ -190,9 +194,9 @@ goals)
     part 280 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
         --steps 5 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES: MaxText's shape" $BF16 \
         base_num_decoder_layers=9 "compress_ratios=[0,0,4,128,4,128,4,128,4]"
-    part 290 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 4 --seq 2048 \
+    part 290 d1024 python3 benchmarks/model_step.py --config "$D1024" --batch 2 --seq 2048 \
         --steps 4 --dtypes bfloat16 --record "$RECORD" --notes "$NOTES" $BF16 \
-        gradient_accumulation_steps=2
+        gradient_accumulation_steps=4 remat_policy=minimal
     cat "$OUT/d1024.json"
     ;;
 tests)
