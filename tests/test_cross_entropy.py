@@ -1,8 +1,14 @@
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pathlib import Path
 
 from conftest import function_rtol, tolerance
 from moebalance.training.cross_entropy import (CHUNK_BYTES, LANES, default_chunk,
@@ -95,6 +101,14 @@ def test_default_blocks_cover_the_vocabulary_within_the_bound(tokens, vocab):
     assert chunk % LANES == 0 or chunk == vocab
 
 
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
 def test_the_head_is_read_once_per_pass():
     """Walking the vocabulary, the forward's and the backward's loops each take the [D, V] head
     in blocks, and the backward writes each block of its gradient once: no [D, V] value is
@@ -104,13 +118,6 @@ def test_the_head_is_read_once_per_pass():
     targets = jnp.zeros(64, jnp.int32)
     jaxpr = jax.make_jaxpr(jax.grad(
         lambda h, w: token_cross_entropy(h, w, targets, 128)[0].sum(), argnums=(0, 1)))(h, head)
-
-    def equations(jaxpr):
-        for eqn in jaxpr.eqns:
-            yield eqn
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from equations(sub)
-
     scans = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) == 2
     for scan in scans:
@@ -119,3 +126,73 @@ def test_the_head_is_read_once_per_pass():
         # every dot in the loop works on one [8, 128] block of the head, never all 1,000 columns
         assert dots and all(128 in e.invars[1].aval.shape or 128 in e.invars[0].aval.shape
                             for e in dots)
+
+
+VOCAB, WIDTH, CHUNK = 1000, 16, 512  # split over fsdp 4: slices of 250, blocks of 4 x 128 columns
+
+
+def _on_8_devices(out: str) -> None:
+    """On 8 CPU devices (data 2 x fsdp 4): the loss and gradients of a [64, WIDTH] x
+    [WIDTH, VOCAB] cross-entropy whose head is split as the trainer splits it, against the full
+    logits on one device; the compiled program's all-gathers; the default blocks' count for
+    4,096 tokens a device of a 129,280-word vocabulary -> `out` (JSON)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from moebalance.config import load_config
+    from moebalance.training import collectives, sharding
+
+    cfg = load_config("deepseek4-smoke", {"ici_data_parallelism": 2, "ici_fsdp_parallelism": 4})
+    mesh = sharding.make_mesh(cfg, jax.devices())
+    spec = sharding.param_spec(("head",), (WIDTH, VOCAB), 4)
+    rng = np.random.default_rng(1)
+    h = rng.normal(size=(64, WIDTH)).astype(np.float32)
+    head = rng.normal(size=(WIDTH, VOCAB)).astype(np.float32)
+    targets = rng.integers(0, VOCAB, 64).astype(np.int32)
+
+    def loss(fn):
+        def f(h, head):
+            ce, lse = fn(h, head)
+            return ce.sum() + 0.1 * (lse**2).sum()
+        return jax.value_and_grad(f, argnums=(0, 1))
+
+    with jax.set_mesh(mesh):
+        program = jax.jit(loss(lambda h, w: token_cross_entropy(h, w, targets, CHUNK,
+                                                                 vocab_axis=spec[1])))
+        args = (jax.device_put(h, NamedSharding(mesh, P(sharding.AXES))),
+                jax.device_put(head, NamedSharding(mesh, spec)))
+        found, _ = collectives.count(program.lower(*args).compile().as_text())
+        value, (d_h, d_head) = program(*args)
+        tokens = jax.ShapeDtypeStruct((8 * 4096, 8), jnp.float32)
+        pod = jax.ShapeDtypeStruct((8, 129280), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda h, w: token_cross_entropy(
+            h, w, jnp.zeros(8 * 4096, jnp.int32), vocab_axis="fsdp"))(tokens, pod)
+    want, (want_h, want_head) = jax.jit(loss(lambda h, w: plain(h, w, targets)))(h, head)
+    scans = [e.params["length"] for e in equations(jaxpr.jaxpr) if e.primitive.name == "scan"]
+    Path(out).write_text(json.dumps({
+        "head_spec": list(spec), "d_head_spec": list(d_head.sharding.spec),
+        "errors": [float(abs(value - want) / abs(want)),
+                   float(np.abs(d_h - want_h).max() / np.abs(want_h).max()),
+                   float(np.abs(d_head - want_head).max() / np.abs(want_head).max())],
+        "gathers": [c.bytes for c in found if c.kind == "all-gather"], "scans": scans}))
+
+
+def test_a_head_split_over_devices_is_gathered_a_block_at_a_time(tmp_path):
+    """The trainer splits the head's vocabulary over fsdp: the result and gradients equal the
+    full-logits formula on one device; no all-gather exceeds one block of the head (before, the
+    whole head was gathered, on a TPU once per block: Flash on a v5p-256 ~8,000 GiB a device and
+    step); the head's gradient stays split as the head is; the default blocks are sized from the
+    tokens one device holds (4,096 of them: 64 blocks of 2,048 columns), not the global count
+    (32,768: 505 blocks of 256)."""
+    out = tmp_path / "ce.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8"}
+    subprocess.run([sys.executable, __file__, str(out)], env=env, check=True)
+    got = json.loads(out.read_text())
+    assert got["head_spec"] == [None, "fsdp"] == got["d_head_spec"]
+    assert max(got["errors"]) < 1e-5
+    assert got["gathers"] and max(got["gathers"]) <= WIDTH * CHUNK * 4
+    assert got["scans"] == [64]
+
+
+if __name__ == "__main__":
+    _on_8_devices(sys.argv[1])

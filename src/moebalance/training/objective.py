@@ -23,8 +23,10 @@ import optax
 
 from moebalance import balancing
 from moebalance.config import Config
+from moebalance.model.expert_parallel import active_mesh
 from moebalance.model.transformer import (DeepSeekV4, ModelOutput, averages_biases, get_biases,
                                           set_biases)
+from moebalance.training import sharding
 from moebalance.training.cross_entropy import token_cross_entropy
 
 
@@ -37,12 +39,23 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
     )
 
 
+def head_vocab_axis(model: DeepSeekV4) -> str | None:
+    """The mesh axis that splits the output head's vocabulary (training/sharding.py), if any."""
+    mesh = active_mesh()
+    if mesh is None:
+        return None
+    spec = sharding.param_spec(("head",), model.head.shape, mesh.shape["fsdp"],
+                               mesh.shape["expert"])
+    return spec[1] if len(spec) > 1 else None
+
+
 @jax.named_scope("loss")
 def token_ce(model: DeepSeekV4, hidden, targets):
     """hidden [..., D] (the head's input), targets [...] -> [...] float32 cross-entropy, without
     the full logits (cross_entropy)."""
     ce, _ = token_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), model.head[...],
-                                targets.reshape(-1), precision=model.matmul_precision)
+                                targets.reshape(-1), precision=model.matmul_precision,
+                                vocab_axis=head_vocab_axis(model))
     return ce.reshape(targets.shape)
 
 
