@@ -26,6 +26,9 @@
 #     35's shapes on 16,384 tokens with column tiles 512 and 1024 (256 was 1.2-1.9x slower in
 #     every run; with it this part ran past its 300 s limit on the second shape)
 #     -> $OUT/moe_layer.json (a JSON line each; benchmarks/results/moe-layer-v5e.json);
+#   bash benchmarks/tpu.sh gmm      (~2 minutes) benchmarks/grouped_matmul.py: the experts' grouped
+#     matmul alone, ragged_dot against tokamax's TPU kernel at several tiles, at the d1024 shapes
+#     -> $OUT/grouped-matmul.json (benchmarks/results/grouped-matmul-v5e.json);
 #   bash benchmarks/tpu.sh profile [key=value ...]  (~4 minutes) profile_step.py on the best
 #     16,384-token step, 4 x (2 x 2048) with remat minimal, the overrides given: device time by
 #     part ($OUT/profile-d1024.json, its tables and the 40 slowest operations in $OUT/log.txt),
@@ -159,6 +162,9 @@ experts)
     part 400 moe_layer $MOE --tokens 16384 --block-sizes 128,256,512 --col-tiles 512,1024 \
         --shapes 64:6:1024:512,16:6:4096:2048 --only-shapes
     cat "$OUT/moe_layer.json"
+    ;;
+gmm)
+    part 300 gmm python3 benchmarks/grouped_matmul.py "$OUT/grouped-matmul.json"
     ;;
 profile)
     shift
