@@ -25,16 +25,41 @@ from moebalance.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
-FLASH_BF16 = ["weight_dtype=bfloat16", "remat_policy=full"]
+BF16_FULL = ["weight_dtype=bfloat16", "remat_policy=full"]
+# A step's 4,096 tokens a device as micro-batches of 512, 1,024 or 2,048 tokens where one sequence
+# of 4,096 does not fit: the step's scan over micro-batches holds one micro-batch's activations
+BY_512 = ["max_target_length=512", "gradient_accumulation_steps=8"]
+BY_1024 = ["max_target_length=1024", "gradient_accumulation_steps=4"]
+BY_2048 = ["max_target_length=2048", "gradient_accumulation_steps=2"]
+V5P_64 = ["ici_fsdp_parallelism=8", "ici_expert_parallelism=8", *BF16_FULL]
+CHIPS_256 = ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", *BF16_FULL]
 # name: (config, slice, device memory GiB, overrides)
 RUNS = {
     "flash-v5p-256": ("deepseek4-flash", "v5p-256", 95,
-                      ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", *FLASH_BF16]),
+                      ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", *BF16_FULL]),
+    "flash-v5p-128": ("deepseek4-flash", "v5p-128", 95, [*V5P_64, *BY_1024]),
+    "flash-v5p-128-2048": ("deepseek4-flash", "v5p-128", 95, [*V5P_64, *BY_2048]),
+    "flash-v6e-256": ("deepseek4-flash", "v6e-256", 32, [*CHIPS_256, *BY_512]),
+    "flash-v5e-256": ("deepseek4-flash", "v5e-256", 16, [*CHIPS_256, *BY_512]),
+    "pro-v5p-1024": ("deepseek4-pro", "v5p-1024", 95,
+                     ["ici_fsdp_parallelism=64", "ici_expert_parallelism=8", *BF16_FULL,
+                      *BY_1024]),
+    "pro-v5p-512": ("deepseek4-pro", "v5p-512", 95, [*CHIPS_256, *BY_1024]),
 }
 
 
+def tokens_per_device(config: str, overrides: list[str]) -> int:
+    """Tokens one device trains on in a step: its sequences times their length, every
+    micro-batch."""
+    from moebalance.config import load_config
+
+    cfg = load_config(config, overrides)
+    return cfg.per_device_batch_size * cfg.max_target_length * cfg.gradient_accumulation_steps
+
+
 def compile_one(config: str, slice_: str, memory: float, overrides: list[str]) -> dict:
-    """One configuration's plan --compile --json, its wall time, what the machine was."""
+    """One configuration's plan --compile --json, its wall time, what the machine was; a step the
+    compiler refused for want of memory does not fit, and its record keeps what it said."""
     command = [sys.executable, "-m", "moebalance.cli", "plan", config, *overrides, "--compile",
                slice_, "--device-memory", str(memory), "--no-compile-cache", "--json"]
     start = time.perf_counter()
@@ -46,10 +71,13 @@ def compile_one(config: str, slice_: str, memory: float, overrides: list[str]) -
     memory_gib = {k: round(v / GIB, 2) for k, v in compiled["memory"].items()
                   if isinstance(v, int)}
     cost = compiled.get("cost") or {}
+    refused = compiled["memory"].get("refused")
     return {"config": config, "slice": slice_, "overrides": overrides,
             "topology": compiled["topology"], "remat": compiled["remat"],
+            "tokens_per_device": tokens_per_device(config, overrides),
             "device_memory_gib": memory, "xla_gib": memory_gib,
-            "fits": compiled["memory"]["needed"] <= memory * GIB,
+            "fits": not refused and compiled["memory"]["needed"] <= memory * GIB,
+            **({"refused": refused} if refused else {}),
             "plan_total_gib": round(plan["total"][compiled["remat"]] / GIB, 2),
             "compile_s": compiled["compile_s"], "wall_s": round(time.perf_counter() - start, 1),
             "collectives_gib": {k: round(v / GIB, 3) for k, v in
