@@ -114,9 +114,9 @@ def _exchange(xt, indices, weights, valid, dest_rank, rank_counts, w1, w3, w2, *
     num_local = w1.shape[0]
     send = plan_dispatch(dest_rank, weights, valid, rank_counts, layout="capacity",
                          capacity=slots, drop_policy="position")  # [R * S] slots, rank-major
-    rows = gather_rows(jnp.repeat(xt, k, axis=0), send.row_src, send.dest)  # [R*S, D]
-    row_w = gather_rows(weights.reshape(-1, 1), send.row_src, send.dest)  # [R*S, 1]
-    local_expert = jnp.where(valid[:, None], indices % num_local, num_local).reshape(-1)
+    rows = gather_rows(jnp.tile(xt, (k, 1)), send.row_src, send.dest)  # [R*S, D]
+    row_w = gather_rows(weights.T.reshape(-1, 1), send.row_src, send.dest)  # [R*S, 1]
+    local_expert = jnp.where(valid[:, None], indices % num_local, num_local).T.reshape(-1)
     row_e = _take(local_expert, send.row_src, num_local)  # [R*S], E_l marks an empty slot
 
     def exchange(a):
@@ -134,5 +134,5 @@ def _exchange(xt, indices, weights, valid, dest_rank, rank_counts, w1, w3, w2, *
     buf_w = gather_rows(row_w, plan.row_src, plan.dest)
     out = expert_mlp(buf, buf_w, plan, mode, w1, w3, w2)
     back = exchange(gather_rows(out, plan.dest, plan.row_src))  # [R*S, D], in send order again
-    y = gather_rows(back, send.dest, send.row_src).reshape(-1, k, back.shape[-1])
-    return y.sum(1, dtype=jnp.float32), plan.dropped
+    y = gather_rows(back, send.dest, send.row_src).reshape(k, -1, back.shape[-1])  # [K, T_l, D]
+    return y.sum(0, dtype=jnp.float32), plan.dropped

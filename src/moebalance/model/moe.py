@@ -285,14 +285,14 @@ class MoE(nnx.Module):
                 rec.indices, rec.weights, valid, rec.counts, layout=layout,
                 block=c.block_size, capacity=c.capacity(num_tokens), drop_policy=c.drop_policy,
             )
-            rows = gather_rows(jnp.repeat(xt, k, axis=0), plan.row_src, plan.dest)  # [P, D]
-            row_w = gather_rows(rec.weights.reshape(-1, 1), plan.row_src, plan.dest)  # [P, 1]
+            rows = gather_rows(jnp.tile(xt, (k, 1)), plan.row_src, plan.dest)  # [P, D]
+            row_w = gather_rows(rec.weights.T.reshape(-1, 1), plan.row_src, plan.dest)  # [P, 1]
         with jax.named_scope("experts"):
             out = self.expert_mlp(rows, row_w, plan, layout, self.w1[...], self.w3[...],
                                   self.w2[...])
         with jax.named_scope("combine"):
-            y = gather_rows(out, plan.dest, plan.row_src).reshape(num_tokens, k, -1)  # [T, K, D]
-            return y.sum(1, dtype=jnp.float32), plan.dropped
+            y = gather_rows(out, plan.dest, plan.row_src).reshape(k, num_tokens, -1)  # [K, T, D]
+            return y.sum(0, dtype=jnp.float32), plan.dropped
 
     def __call__(self, x, *, token_ids=None, mask=None):
         c = self.config
