@@ -103,6 +103,8 @@ BF16="weight_dtype=bfloat16 remat_policy=full"  # fp32 weights + AdamW: 16.7 GiB
 # the commit measured, given by the caller (the device machine's copy has no .git):
 # COMMIT=$(git rev-parse --short HEAD) in the device call's command
 NOTES="benchmarks/tpu.sh${COMMIT:+; project at $COMMIT}"
+# and the study records it per run (runtime.code_commit: the copy has no .git to read it from)
+if [ -n "${COMMIT:-}" ]; then export MOEBALANCE_COMMIT=$COMMIT; fi
 PACKAGES="jax|jaxlib|libtpu|flax|optax|orbax-checkpoint|numpy|ml.dtypes|pyyaml|rich|grain"
 PACKAGES="$PACKAGES|tokenizers"
 PACKAGES="$PACKAGES|tensorboardx|matplotlib|pyarrow|protobuf"

@@ -1,3 +1,4 @@
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -120,3 +121,31 @@ def test_the_command_ends_at_once_with_its_output_and_exit_code(tmp_path, capsys
                           "--out", str(tmp_path / "run")], capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.startswith("moebalance: ") and bad.stderr.count("\n") == 1
+
+
+def _git(repo, *args) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_code_commit_names_the_checkout_its_changes_or_the_version(tmp_path):
+    package = tmp_path / "repo" / "src" / "moebalance"
+    package.mkdir(parents=True)
+    (package / "runtime.py").write_text("a = 1\n")
+    _git(tmp_path / "repo", "init", "-q")
+    _git(tmp_path / "repo", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+         "--allow-empty", "-m", "first")
+    _git(tmp_path / "repo", "add", "src")
+    _git(tmp_path / "repo", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    head = _git(tmp_path / "repo", "rev-parse", "--short", "HEAD")
+    assert runtime.code_commit({}, package) == head
+    (package / "untracked.py").write_text("")  # untracked files are not the code's change
+    assert runtime.code_commit({}, package) == head
+    (package / "runtime.py").write_text("a = 2\n")
+    assert runtime.code_commit({}, package) == head + "+"
+    # a launcher's name wins (a copy without .git); an installed package gives its version
+    assert runtime.code_commit({"MOEBALANCE_COMMIT": "c0ffee1"}, package) == "c0ffee1"
+    installed = tmp_path / "lib" / "site-packages" / "moebalance"
+    installed.mkdir(parents=True)
+    assert runtime.code_commit({}, installed) == (
+        f"moebalance {importlib.metadata.version('moebalance')}")

@@ -313,3 +313,19 @@ def test_a_study_over_seeds_weighs_the_perplexity_against_their_spread(tmp_path)
     # the same study without its seeds is another study
     with pytest.raises(RunDirError, match="holds another study.*seeds \\[0, 1\\]"):
         study("deepseek4-smoke", smoke, arms, tmp_path)
+
+
+def test_the_report_says_whether_every_run_ran_one_commit():
+    from moebalance.report.study import commits
+
+    def arm(name, commit=None):
+        return {"name": name, "finished": True, **({} if commit is None else {"commit": commit})}
+
+    one = {"seeds": None, "arms": [arm("aux", "b917d0c"), arm("loss-free", "b917d0c")]}
+    assert commits(one) == "Every run at b917d0c."
+    two = {"seeds": None, "arms": [arm("aux", "b917d0c"), arm("loss-free", "cd348a7"),
+                                   {"name": "none", "finished": False}]}
+    assert commits(two) == ("The runs ran different code, so they are not one experiment: "
+                            "aux at b917d0c, loss-free at cd348a7.")
+    older = {"seeds": [0, 1], "arms": [{**arm("aux"), "seed": 0}, {**arm("aux", "abc"), "seed": 1}]}
+    assert "aux (seed 0) at not recorded, aux (seed 1) at abc" in commits(older)

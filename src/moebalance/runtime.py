@@ -1,4 +1,5 @@
-"""Process set-up for the `moebalance` command: glibc's huge-page malloc, the compilation cache.
+"""Process set-up for the `moebalance` command: glibc's huge-page malloc, the compilation cache,
+and which code runs (code_commit, for records that compare runs).
 
 XLA's CPU runtime allocates every step's temporary buffers afresh (gigabytes for a training step),
 and glibc serves blocks that large with new mmaps, so each step page-faults its whole working set
@@ -18,11 +19,14 @@ program or flag compiles afresh. Kept: every program that took MIN_COMPILE_S or 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
+COMMIT_ENV = "MOEBALANCE_COMMIT"
 CACHE_ENV = "MOEBALANCE_CACHE_DIR"
 # JAX keeps only programs that took 1 s to compile by default. A run also compiles dozens of small
 # ones (initialisation, eager array ops: 0.1-0.5 s each on a loaded 2-core CPU): 60 of them took
@@ -116,3 +120,25 @@ def exit_at_once(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def code_commit(environ=os.environ, package_dir: Path = Path(__file__).resolve().parent) -> str:
+    """Which code this process runs: $MOEBALANCE_COMMIT where a launcher names it (a copy of a
+    checkout without its .git, as a device machine gets), else the git commit of the source
+    checkout the package is imported from (`<root>/src/moebalance`), with '+' when tracked files
+    differ from it, else the installed package's version ('moebalance 0.1.0')."""
+    if environ.get(COMMIT_ENV):
+        return environ[COMMIT_ENV]
+    root = package_dir.parents[1]
+    if package_dir == root / "src" / "moebalance" and (root / ".git").exists():
+        try:
+            head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                                  capture_output=True, text=True, timeout=30)
+            changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                      "--untracked-files=no"],
+                                     capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            head = None
+        if head is not None and head.returncode == 0 and changed.returncode == 0:
+            return head.stdout.strip() + ("+" if changed.stdout.strip() else "")
+    return f"moebalance {importlib.metadata.version('moebalance')}"

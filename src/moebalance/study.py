@@ -16,7 +16,8 @@ plan, then each run's result) and the report (report/study.py). Running the same
 continues a stopped study: the runs study.json records as finished are kept (their run
 directories are no longer read: a study can move to another machine as study.json alone), an
 unfinished one resumes from its latest checkpoint, bit-exactly; a continuation whose global batch
-differs (another device count) is refused.
+differs (another device count) is refused. Each finished run records the code it ran
+(`commit`: runtime.code_commit), and the report says whether every arm ran at one commit.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from moebalance.atomic import write_atomic
 from moebalance.config import Config, load_config, override_keys
 from moebalance.config_rules import moot_keys, refuse_moot
 from moebalance.rundir import RunDir, RunDirError, RunStopped
+from moebalance.runtime import code_commit
 from moebalance.training.hooks import mean_topk_maxvio, mean_topk_maxvio_global, terminal
 from moebalance.training.loop import train
 from moebalance.training.step import shared_programs
@@ -180,6 +182,7 @@ def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, 
     plan = _plan({"config": str(config), "overrides": list(overrides), "seeds": seeds,
                   "arms": [{"name": a.name, "overrides": list(a.overrides)} for a in arms]})
     result = _start(out, plan, cfgs, overwrite)
+    commit = code_commit()
     for i, ((arm, seed), cfg, program) in enumerate(zip(runs, cfgs, shared_programs(cfgs))):
         run = RunDir(run_dir(out, arm.name, seed))
         if result["arms"][i]["finished"]:  # recorded: its run directory is no longer needed
@@ -196,7 +199,8 @@ def study(config: str | Path, overrides: list[str], arms: list[Arm], out: Path, 
             except RunStopped as stop:
                 raise RunStopped(stop.signum, stop.step, "run the same command again to "
                                  "continue the study") from None
-        result["arms"][i] = {**summarize(arm, run.metrics()), "seed": cfg.seed}
+        result["arms"][i] = {**summarize(arm, run.metrics()), "seed": cfg.seed,
+                             "commit": commit}
         _write(out, result)
     if jax.process_index() == 0:
         study_report(result, out, console)

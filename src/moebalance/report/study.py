@@ -115,11 +115,23 @@ def title(study: dict) -> str:
             f"{study['tokens_per_step']:,} tokens")
 
 
+def commits(study: dict) -> str:
+    """Which code the finished runs ran: one commit, or each run's where they differ (then the
+    arms are not one experiment)."""
+    ran = {run_label(study, arm): arm.get("commit", "not recorded")
+           for arm in finished_arms(study)}
+    if len(set(ran.values())) == 1:
+        return f"Every run at {next(iter(ran.values()))}."
+    return ("The runs ran different code, so they are not one experiment: "
+            + ", ".join(f"{label} at {commit}" for label, commit in ran.items()) + ".")
+
+
 def format_markdown(study: dict) -> str:
     lines = [f"# {title(study)}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
              *("| " + " | ".join(row) + " |" for row in table_rows(study)), "",
-             _table_note(study), "", *(f"- {line}" for line in claims(study))]
+             _table_note(study), "", commits(study), "",
+             *(f"- {line}" for line in claims(study))]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -216,5 +228,6 @@ def _print(study: dict, console) -> None:
     for row in table_rows(study):
         table.add_row(row[0], *(row[i].split(" (")[0] for i in shown[1:]))
     console.print(table)
+    console.print(commits(study))
     for line in claims(study):
         console.print(line)
