@@ -64,7 +64,9 @@
 #     seconds (default 540) with a checkpoint, which the same call on the still-warm machine
 #     continues; on a fresh machine STUDY_FROM=FILE (a study.json brought back by an earlier call)
 #     keeps that study's finished arms and trains the others; study.json and study.md -> $OUT
-#     (2026-12-06/07: --arm aux --arm loss-free, the loss-free arm 759 s over two calls,
+#     (STUDY_SRC=DIR with COMMIT=C: the study runs the code of commit C, archived into DIR and
+#     carried, whatever the checkout holds: every arm at one commit across sessions;
+#     2026-12-06/07: --arm aux --arm loss-free, the loss-free arm 759 s over two calls,
 #     study-v5e.json; at 65521cf's 4 x 1024 tokens three arms in 1,232 s, study-v5e-65521cf.json);
 #   bash benchmarks/tpu.sh functions  (~30 s) benchmarks/tpu_functions.py: the chip's float32
 #     transcendentals against float64 ($OUT/functions.json), whence the tests' TPU tolerances;
@@ -225,8 +227,13 @@ study)
         mkdir -p "$dir" && cp "$STUDY_FROM" "$dir/study.json"
     fi
     df -h /tmp | log
-    timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli study deepseek4-study "$@" \
-        --out "$dir" 2>&1 | tee "$OUT/study.txt" | grep -v "^\s*$" | tail -40
+    # a study spread over sessions runs one commit's code in all of them: STUDY_SRC=DIR (carried,
+    # made by `git archive C | tar -x -C DIR`) runs DIR/src with MOEBALANCE_COMMIT=C (COMMIT)
+    src=src
+    if [ -n "${STUDY_SRC:-}" ]; then src=$STUDY_SRC/src; fi
+    PYTHONPATH=$src:$PYTHONPATH timeout -s INT "${STUDY_LIMIT:-540}" python3 -m moebalance.cli \
+        study deepseek4-study "$@" --out "$dir" 2>&1 | tee "$OUT/study.txt" |
+        grep -v "^\s*$" | tail -40
     # a device call brings back only a handful of files: study.json holds every number (each
     # arm's steps too), and `moebalance report DIR --out DIR` redraws the figures and the page
     cp "$dir"/study.json "$dir"/study.md "$OUT/" 2>/dev/null
