@@ -44,7 +44,7 @@ RUNS = {
     "flash-v5e-256": ("deepseek4-flash", "v5e-256", 16, [*CHIPS_256, *BY_512]),
     "pro-v5p-1024": ("deepseek4-pro", "v5p-1024", 95, [*V5P_512, *BY_512]),
     "pro-v5p-1024-1024": ("deepseek4-pro", "v5p-1024", 95, [*V5P_512, *BY_1024]),
-    "pro-v5p-512": ("deepseek4-pro", "v5p-512", 95, [*CHIPS_256, *BY_1024]),
+    "pro-v5p-512": ("deepseek4-pro", "v5p-512", 95, [*CHIPS_256, *BY_512]),
 }
 
 
