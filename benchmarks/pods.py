@@ -31,19 +31,20 @@ BF16_FULL = ["weight_dtype=bfloat16", "remat_policy=full"]
 BY_512 = ["max_target_length=512", "gradient_accumulation_steps=8"]
 BY_1024 = ["max_target_length=1024", "gradient_accumulation_steps=4"]
 BY_2048 = ["max_target_length=2048", "gradient_accumulation_steps=2"]
-V5P_64 = ["ici_fsdp_parallelism=8", "ici_expert_parallelism=8", *BF16_FULL]
+# The mesh 1 x fsdp x 8 on 64, 256 and 512 devices (a device is a chip on v5p, v5e and v6e)
+CHIPS_64 = ["ici_fsdp_parallelism=8", "ici_expert_parallelism=8", *BF16_FULL]
 CHIPS_256 = ["ici_fsdp_parallelism=32", "ici_expert_parallelism=8", *BF16_FULL]
-V5P_512 = ["ici_fsdp_parallelism=64", "ici_expert_parallelism=8", *BF16_FULL]
+CHIPS_512 = ["ici_fsdp_parallelism=64", "ici_expert_parallelism=8", *BF16_FULL]
 # name: (config, slice, device memory GiB, overrides)
 RUNS = {
     "flash-v5p-256": ("deepseek4-flash", "v5p-256", 95,
                       ["ici_fsdp_parallelism=16", "ici_expert_parallelism=8", *BF16_FULL]),
-    "flash-v5p-128": ("deepseek4-flash", "v5p-128", 95, [*V5P_64, *BY_1024]),
-    "flash-v5p-128-2048": ("deepseek4-flash", "v5p-128", 95, [*V5P_64, *BY_2048]),
+    "flash-v5p-128": ("deepseek4-flash", "v5p-128", 95, [*CHIPS_64, *BY_1024]),
+    "flash-v5p-128-2048": ("deepseek4-flash", "v5p-128", 95, [*CHIPS_64, *BY_2048]),
     "flash-v6e-256": ("deepseek4-flash", "v6e-256", 32, [*CHIPS_256, *BY_512]),
     "flash-v5e-256": ("deepseek4-flash", "v5e-256", 16, [*CHIPS_256, *BY_512]),
-    "pro-v5p-1024": ("deepseek4-pro", "v5p-1024", 95, [*V5P_512, *BY_512]),
-    "pro-v5p-1024-1024": ("deepseek4-pro", "v5p-1024", 95, [*V5P_512, *BY_1024]),
+    "pro-v5p-1024": ("deepseek4-pro", "v5p-1024", 95, [*CHIPS_512, *BY_512]),
+    "pro-v5p-1024-1024": ("deepseek4-pro", "v5p-1024", 95, [*CHIPS_512, *BY_1024]),
     "pro-v5p-512": ("deepseek4-pro", "v5p-512", 95, [*CHIPS_256, *BY_512]),
 }
 
