@@ -85,6 +85,40 @@ def test_capacity_layer_equals_per_token_loop(policy, capacity_factor, kernel):
     np.testing.assert_array_equal(rec.counts, ref.counts(idx, 8, valid))  # before the drop
 
 
+@pytest.mark.parametrize("kw", [dict(dispatch="blocked"), dict(dispatch="ragged"),
+                                dict(capacity_factor=0.5, drop_policy="position"),
+                                dict(capacity_factor=0.5, drop_policy="probs")])
+def test_the_tpus_slot_major_numbering_computes_the_same_layer(kw, monkeypatch):
+    """A TPU numbers assignments slot-major (model/dispatch.py); forced here on the CPU, the
+    layer's output, drops and gradients equal the token-major layer's, which the tests above hold
+    against the references (the buffer rows are the same; only sums' order may differ)."""
+    import moebalance.model.moe as moe_module
+
+    model = make(**kw)
+    x, mask = inputs(seed=3)
+    probe = jax.random.normal(jax.random.key(9), x.shape)
+
+    def run():
+        jax.clear_caches()
+        y, rec = nnx.jit(lambda m, x: m(x, mask=mask))(model, x)
+        grads = nnx.jit(nnx.grad(lambda m, x: (m(x, mask=mask)[0] * probe).sum(),
+                                 argnums=(0, 1)))(model, x)
+        return y, rec.dropped, grads
+
+    token_major = run()
+    monkeypatch.setattr(moe_module, "slot_major_here", lambda: True)
+    slot_major = run()
+    assert int(token_major[1]) == int(slot_major[1])
+    if "capacity_factor" in kw:
+        assert int(slot_major[1]) > 0
+    np.testing.assert_allclose(slot_major[0], token_major[0], rtol=1e-6, atol=1e-6)
+    (gm1, gx1), (gm2, gx2) = token_major[2], slot_major[2]
+    np.testing.assert_allclose(gx2, gx1, rtol=1e-6, atol=1e-6)
+    for name in ("router", "w1", "w3", "w2"):
+        np.testing.assert_allclose(gm2[name][...], gm1[name][...], rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+
+
 def test_shared_experts_are_added_unweighted():
     model = make(shared_experts=2)
     x, _ = inputs()

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moebalance.balancing import expert_counts
-from moebalance.model.dispatch import gather_rows, plan_dispatch
+from moebalance.model.dispatch import gather_rows, plan_dispatch, slot_major_here
 
 EXPERT_AXIS = "expert"
 
@@ -113,10 +113,11 @@ def _exchange(xt, indices, weights, valid, dest_rank, rank_counts, w1, w3, w2, *
     k = indices.shape[-1]
     num_local = w1.shape[0]
     send = plan_dispatch(dest_rank, weights, valid, rank_counts, layout="capacity",
-                         capacity=slots, drop_policy="position")  # [R * S] slots, rank-major
-    rows = gather_rows(jnp.tile(xt, (k, 1)), send.row_src, send.dest)  # [R*S, D]
-    row_w = gather_rows(weights.T.reshape(-1, 1), send.row_src, send.dest)  # [R*S, 1]
-    local_expert = jnp.where(valid[:, None], indices % num_local, num_local).T.reshape(-1)
+                         capacity=slots, drop_policy="position",
+                         slot_major=slot_major_here())  # [R * S] slots, rank-major
+    rows = gather_rows(send.per_assignment(xt, k), send.row_src, send.dest)  # [R*S, D]
+    row_w = gather_rows(send.flat(weights)[:, None], send.row_src, send.dest)  # [R*S, 1]
+    local_expert = send.flat(jnp.where(valid[:, None], indices % num_local, num_local))
     row_e = _take(local_expert, send.row_src, num_local)  # [R*S], E_l marks an empty slot
 
     def exchange(a):
@@ -134,5 +135,4 @@ def _exchange(xt, indices, weights, valid, dest_rank, rank_counts, w1, w3, w2, *
     buf_w = gather_rows(row_w, plan.row_src, plan.dest)
     out = expert_mlp(buf, buf_w, plan, mode, w1, w3, w2)
     back = exchange(gather_rows(out, plan.dest, plan.row_src))  # [R*S, D], in send order again
-    y = gather_rows(back, send.dest, send.row_src).reshape(k, -1, back.shape[-1])  # [K, T_l, D]
-    return y.sum(0, dtype=jnp.float32), plan.dropped
+    return send.token_sum(gather_rows(back, send.dest, send.row_src), k), plan.dropped

@@ -30,7 +30,7 @@ from moebalance import routing
 from moebalance.balancing import expert_counts, quantile_fixed_point
 from moebalance.config import DISPATCH_MODES, DROP_POLICIES, EXPERT_KERNELS, Config
 from moebalance.kernels import grouped_matmul, platform
-from moebalance.model.dispatch import gather_rows, plan_dispatch
+from moebalance.model.dispatch import gather_rows, plan_dispatch, slot_major_here
 from moebalance.model.expert_parallel import active_mesh, expert_parallel_ffn
 from moebalance.model.layers import FP32, constant, dense_init
 from moebalance.routing import RoutingRecord
@@ -284,15 +284,16 @@ class MoE(nnx.Module):
             plan = plan_dispatch(
                 rec.indices, rec.weights, valid, rec.counts, layout=layout,
                 block=c.block_size, capacity=c.capacity(num_tokens), drop_policy=c.drop_policy,
+                slot_major=slot_major_here(),
             )
-            rows = gather_rows(jnp.tile(xt, (k, 1)), plan.row_src, plan.dest)  # [P, D]
-            row_w = gather_rows(rec.weights.T.reshape(-1, 1), plan.row_src, plan.dest)  # [P, 1]
+            rows = gather_rows(plan.per_assignment(xt, k), plan.row_src, plan.dest)  # [P, D]
+            row_w = gather_rows(plan.flat(rec.weights)[:, None], plan.row_src, plan.dest)  # [P, 1]
         with jax.named_scope("experts"):
             out = self.expert_mlp(rows, row_w, plan, layout, self.w1[...], self.w3[...],
                                   self.w2[...])
         with jax.named_scope("combine"):
-            y = gather_rows(out, plan.dest, plan.row_src).reshape(k, num_tokens, -1)  # [K, T, D]
-            return y.sum(0, dtype=jnp.float32), plan.dropped
+            y = gather_rows(out, plan.dest, plan.row_src)  # [A, D]
+            return plan.token_sum(y, k), plan.dropped
 
     def __call__(self, x, *, token_ids=None, mask=None):
         c = self.config
