@@ -13,9 +13,9 @@ Per device and step (`roofline`):
 
 CALIBRATED_FRACTION is the share of the v5e's peak the measured one-chip d1024 step reached
 (benchmarks/results/tpu-v5e.json, its fastest run: 8 layers, 4 x 2 x 2048 tokens, 25.32 model
-TFLOP in 0.849 s, 15.1 %): one chip runs no collectives, so its step is all compute, and the same
-share is taken of every generation's peak. It predicts the record's other current-code run (9
-layers, 2 x 2048 tokens, 0.287 s) at 0.226 s (tests/test_roofline.py). Not modelled: HBM
+TFLOP in 0.835 s, 15.4 %, at caaf814): one chip runs no collectives, so its step is all compute, and the same
+share is taken of every generation's peak. It predicts the record's fastest 9-layer run (2 x 2048
+tokens, 0.246 s at caaf814) at 0.222 s (tests/test_roofline.py). Not modelled: HBM
 bandwidth, collectives that wait on each other, the torus's hop count, the links a group does not
 use (every collective gets the chip's whole ICI), kernel launch and host time.
 
@@ -39,7 +39,7 @@ from moebalance.model.transformer import DeepSeekV4, parameter_counts, placehold
 from moebalance.training.topology import GENERATIONS
 
 # benchmarks/results/tpu-v5e.json's fastest d1024 run: model FLOPs / step_s / v5e peak
-CALIBRATION = {"model_flops": 25.32e12, "step_s": 0.849, "generation": "v5e"}
+CALIBRATION = {"model_flops": 25.32e12, "step_s": 0.835, "generation": "v5e"}
 CALIBRATED_FRACTION = (CALIBRATION["model_flops"] / CALIBRATION["step_s"]
                        / GENERATIONS[CALIBRATION["generation"]].peak_flops)
 # MaxText's published DeepSeek-V3 671B training on a v5p-1024 (its README's table), for a side by
